@@ -1,0 +1,73 @@
+"""Checkpoints that are atomic and resumable. Each checkpoint is written into a hidden temporary directory by every
+rank (accelerate's save_state: model or DeepSpeed engine shards, optimizer, scheduler, RNG of every process), then
+renamed to `checkpoint-<step>` by the main process once all ranks are done, so a run killed mid-save never leaves a
+directory that `--resume_from_checkpoint auto` would pick. The data position is the step itself
+(see distributed.step_indices)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+
+from verl_kit.errors import UserError
+
+logger = logging.getLogger(__name__)
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+STATE_FILE = "trainer_state.json"
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints in `output_dir`, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = _NAME.match(name)
+        path = os.path.join(output_dir, name)
+        if m and os.path.isfile(os.path.join(path, STATE_FILE)):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def resolve_resume(output_dir: str, resume: str | None) -> str | None:
+    """'auto' -> latest complete checkpoint or None; a path -> that path, checked."""
+    if not resume:
+        return None
+    if resume == "auto":
+        found = list_checkpoints(output_dir)
+        return found[-1][1] if found else None
+    if not os.path.isfile(os.path.join(resume, STATE_FILE)):
+        raise UserError(f"--resume_from_checkpoint {resume}: not a complete checkpoint (no {STATE_FILE})")
+    return resume
+
+
+def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, keep: int) -> str:
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with open(os.path.join(tmp, STATE_FILE), "w") as f:
+            json.dump({"step": step, **state}, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        for _, old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        logger.info("saved %s", final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: str) -> dict:
+    """Restore model, optimizer, scheduler and RNG; returns the trainer state (step, ...)."""
+    accelerator.load_state(path)
+    with open(os.path.join(path, STATE_FILE)) as f:
+        state = json.load(f)
+    logger.info("resumed from %s at step %d", path, state["step"])
+    return state

@@ -1,0 +1,127 @@
+"""Recipe configuration: one dataclass per recipe, parsed from the command line and an optional `--config file.yaml`
+(command line wins) by TRL's TrlParser. Every user mistake becomes a one-line UserError that names the flag."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+
+from verl_kit.errors import UserError
+from verl_kit.tiny import TINY_MODEL_NAME, TINY_PREFS
+
+
+@dataclass
+class TrainConfig:
+    """Fields every recipe shares, named as in transformers/TRL so that existing configs carry over."""
+
+    model_name_or_path: str = field(default=TINY_MODEL_NAME, metadata={
+        "help": "HF model id or local path; 'tiny-llama' builds the embedded tiny model offline on first use"})
+    dataset_name: str = field(default=TINY_PREFS, metadata={
+        "help": "hub dataset name, or a local .jsonl/.json/.parquet file or a directory of them"})
+    dataset_config: str | None = field(default=None, metadata={"help": "dataset configuration name (hub datasets)"})
+    dataset_train_split: str = field(default="train", metadata={"help": "train split, slicing allowed: train[:100]"})
+    dataset_test_split: str | None = field(default="test", metadata={
+        "help": "held-out split for evaluation; 'none' to skip"})
+    output_dir: str = field(default="outputs/run", metadata={"help": "checkpoints, metrics.jsonl, plots, final/"})
+    max_steps: int = field(default=-1, metadata={"help": "optimizer steps; -1 derives them from num_train_epochs"})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "passes over the train split (if max_steps=-1)"})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "examples per process per micro-step"})
+    per_device_eval_batch_size: int = field(default=16, metadata={"help": "examples per process per eval forward"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
+    learning_rate: float = field(default=5e-4, metadata={"help": "peak AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_ratio: float = field(default=0.0, metadata={"help": "fraction of steps for linear warm-up"})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "transformers scheduler name"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
+    seed: int = field(default=42, metadata={"help": "seed for init, data order and sampling"})
+    max_length: int = field(default=512, metadata={"help": "max tokens of prompt + completion"})
+    max_prompt_length: int = field(default=256, metadata={"help": "prompts longer than this keep their last tokens"})
+    packing: bool = field(default=True, metadata={"help": "pack sequences padding-free into rows"})
+    packing_length: int = field(default=1024, metadata={"help": "tokens per packed row"})
+    max_tokens_per_microbatch: int | None = field(default=None, metadata={
+        "help": "token budget per forward pass; splits each step's examples by tokens instead of by count"})
+    gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in backward"})
+    bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast; default: on with CUDA, off on CPU"})
+    attn_implementation: str | None = field(default=None, metadata={
+        "help": "sdpa, eager or flash_attention_2; default: flash_attention_2 on CUDA when installed, else sdpa"})
+    logging_steps: int = field(default=5, metadata={"help": "log every N optimizer steps"})
+    eval_steps: int = field(default=50, metadata={"help": "evaluate every N optimizer steps (and at the end)"})
+    save_steps: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps; 0 saves none"})
+    save_total_limit: int = field(default=2, metadata={"help": "keep the last K checkpoints"})
+    resume_from_checkpoint: str | None = field(default=None, metadata={
+        "help": "'auto' (latest complete checkpoint in output_dir, if any) or a checkpoint path"})
+    report_to: str = field(default="none", metadata={"help": "none, wandb or tensorboard"})
+    run_name: str | None = field(default=None, metadata={"help": "tracker run name"})
+    collective_timeout_s: int = field(default=1800, metadata={"help": "timeout for every collective (seconds)"})
+
+
+_CHOICES = {"report_to": ("none", "wandb", "tensorboard"),
+            "attn_implementation": (None, "sdpa", "eager", "flash_attention_2")}
+
+
+def _check_type(name: str, value, annotation) -> None:
+    """Values from yaml bypass argparse's type conversion; check them here so `beta: abc` fails by name."""
+    origin = typing.get_origin(annotation)
+    allowed = typing.get_args(annotation) if origin in (typing.Union, types.UnionType) else (annotation,)
+    for t in allowed:
+        if t is type(None) and value is None:
+            return
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if t in (str, bool) and isinstance(value, t):
+            return
+    names = "/".join(getattr(t, "__name__", str(t)) for t in allowed)
+    raise UserError(f"--{name}: expected {names}, got {value!r}")
+
+
+def parse_args(config_cls, argv: list[str] | None = None):
+    """Parse `config_cls` from argv and `--config file.yaml`; raises UserError naming the offending flag or key."""
+    import yaml
+    from trl import TrlParser
+
+    class Parser(TrlParser):
+        def error(self, message):  # argparse prints usage and exits; we want one line
+            raise UserError(message)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--config" in argv:
+        i = argv.index("--config")
+        path = argv[i + 1] if i + 1 < len(argv) else None
+        if path is None or not os.path.isfile(path):
+            raise UserError(f"--config: no such file {path!r}")
+        try:
+            with open(path) as f:
+                cfg = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(cfg, dict):
+            raise UserError(f"--config {path}: expected a mapping of flag: value")
+        known = {f.name for f in dataclasses.fields(config_cls)} | {"env"}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise UserError(f"--config {path}: unknown key(s) {', '.join(unknown)}")
+    try:
+        (cfg_obj,) = Parser(config_cls).parse_args_and_config(argv)
+    except ValueError as e:  # TrlParser's own complaints (e.g. bad yaml env)
+        raise UserError(str(e).splitlines()[0]) from None
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(cfg_obj):
+        value = getattr(cfg_obj, f.name)
+        _check_type(f.name, value, hints[f.name])
+        if f.name in _CHOICES and value not in _CHOICES[f.name]:
+            raise UserError(f"--{f.name}: {value!r} is not one of {', '.join(map(str, _CHOICES[f.name]))}")
+    if isinstance(cfg_obj.dataset_test_split, str) and cfg_obj.dataset_test_split.lower() == "none":
+        cfg_obj.dataset_test_split = None
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "packing_length"):
+        if getattr(cfg_obj, name) < 1:
+            raise UserError(f"--{name}: must be >= 1, got {getattr(cfg_obj, name)}")
+    if cfg_obj.max_prompt_length >= cfg_obj.max_length:
+        raise UserError(f"--max_prompt_length ({cfg_obj.max_prompt_length}) must be below --max_length "
+                        f"({cfg_obj.max_length}) to leave room for the completion")
+    return cfg_obj

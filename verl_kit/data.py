@@ -1,0 +1,158 @@
+"""Datasets in, token ids out. Accepts TRL's formats as they are (standard or conversational, explicit or implicit
+prompt), applies the tokenizer's chat template through TRL's helpers, truncates, and reports bad rows by file, row
+number and field. Row numbers are 1-based, so for a .jsonl file they are line numbers."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from verl_kit.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def load_split(name: str, split: str, config: str | None = None, required: bool = True):
+    """Load one split of a hub dataset, a local file (.jsonl/.json/.parquet, whose only split is 'train') or a local
+    directory of such files (splits named after the files). Split slicing such as 'train[:100]' is honoured.
+    Returns a datasets.Dataset, or None when the split is missing and not `required`."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    base_split = split.split("[")[0]
+    if os.path.isfile(name):
+        builder = _BUILDERS.get(os.path.splitext(name)[1].lower())
+        if builder is None:
+            raise UserError(f"--dataset_name {name}: unsupported file type (use .jsonl, .json or .parquet)")
+        if base_split != "train":
+            if required:
+                raise UserError(f"--dataset_name {name}: a single file has only the split 'train', not {split!r}")
+            return None
+        args, kwargs = (builder,), {"data_files": {"train": name}}
+    elif os.path.isdir(name) or name.startswith((".", "/")):
+        if not os.path.isdir(name):
+            raise UserError(f"--dataset_name {name}: no such file or directory")
+        args, kwargs = (name,), {}
+    else:
+        args, kwargs = (name, config), {}
+    try:
+        ds = datasets.load_dataset(*args, split=split, **kwargs)
+    except ValueError as e:
+        msg = str(e).splitlines()[0]
+        if "split" in msg.lower() and not required:
+            return None
+        raise UserError(f"--dataset_name {name}: cannot load split {split!r}: {msg}") from None
+    except (FileNotFoundError, ConnectionError, OSError) as e:
+        raise UserError(f"--dataset_name {name}: cannot load it ({str(e).splitlines()[0]})") from None
+    except datasets.exceptions.DatasetGenerationError as e:
+        cause = e.__cause__ or e
+        raise UserError(f"--dataset_name {name}: cannot parse it ({str(cause).splitlines()[0]})") from None
+    if len(ds) == 0:
+        raise UserError(f"--dataset_name {name}: split {split!r} is empty")
+    return ds
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def _check_field(source: str, row_no: int, row: dict, key: str, required: bool = True) -> None:
+    value = row.get(key)
+    if value is None:
+        if required:
+            raise UserError(f"{source} row {row_no}: missing field {key!r}")
+        return
+    if isinstance(value, str):
+        if not value.strip():
+            raise UserError(f"{source} row {row_no}: field {key!r} is empty")
+    elif _is_messages(value):
+        if not value or (key != "prompt" and not any(m["content"].strip() for m in value)):
+            raise UserError(f"{source} row {row_no}: field {key!r} is empty")
+    else:
+        raise UserError(f"{source} row {row_no}: field {key!r} must be a string or a list of "
+                        f"{{role, content}} messages, got {type(value).__name__}")
+
+
+def _template_rows(rows: list[dict], tokenizer, source: str, completion_keys: tuple[str, ...]) -> list[dict]:
+    """Rows as dicts of plain strings: implicit prompts extracted, chat templates applied (TRL helpers)."""
+    from trl.data_utils import is_conversational, maybe_apply_chat_template, maybe_extract_prompt
+
+    out = []
+    for row_no, row in enumerate(rows, start=1):
+        example = {k: row[k] for k in ("prompt", *completion_keys) if row.get(k) is not None}
+        if "prompt" not in example:
+            example = maybe_extract_prompt(example)
+            if not example.get("prompt"):
+                raise UserError(f"{source} row {row_no}: no 'prompt' field and the completions share no prefix "
+                                "to extract one from")
+        if is_conversational(example):
+            if tokenizer.chat_template is None:
+                raise UserError(f"{source} row {row_no}: conversational data needs a chat template, and the "
+                                f"tokenizer of {tokenizer.name_or_path!r} has none")
+            example = maybe_apply_chat_template(example, tokenizer)
+        else:
+            eos = tokenizer.eos_token or ""
+            example = {k: (v if k == "prompt" or v.endswith(eos) else v + eos) for k, v in example.items()}
+        out.append(example)
+    return out
+
+
+def _tokenize(texts: list[str], tokenizer) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+
+def _truncate(prompt: list[int], completions: list[list[int]], max_prompt_length: int | None, max_length: int,
+              source: str, row_no: int) -> tuple[list[int], list[list[int]], bool]:
+    """Keep the last max_prompt_length prompt tokens, then cut completions to fit max_length. A prompt that leaves
+    no room for a completion is an error, never a silently empty response."""
+    cut = False
+    if max_prompt_length is not None and len(prompt) > max_prompt_length:
+        prompt, cut = prompt[-max_prompt_length:], True
+    room = max_length - len(prompt)
+    if room < 1:
+        raise UserError(f"{source} row {row_no}: prompt is {len(prompt)} tokens, leaving no room for the completion "
+                        f"within --max_length {max_length} (raise it, or set --max_prompt_length to truncate prompts)")
+    if any(len(c) > room for c in completions):
+        completions, cut = [c[:room] for c in completions], True
+    return prompt, completions, cut
+
+
+@dataclass
+class PreferenceExample:
+    """One preference pair, as token ids. prompt_ids (P,), chosen_ids (C,), rejected_ids (Rj,)."""
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+
+
+def preference_examples(ds, tokenizer, max_prompt_length: int | None, max_length: int,
+                        source: str) -> list[PreferenceExample]:
+    """Validate, template and tokenize a preference dataset (fields prompt?, chosen, rejected)."""
+    rows = list(ds)
+    for row_no, row in enumerate(rows, start=1):
+        for key, required in (("prompt", False), ("chosen", True), ("rejected", True)):
+            _check_field(source, row_no, row, key, required)
+    texts = _template_rows(rows, tokenizer, source, ("chosen", "rejected"))
+    prompts = _tokenize([t["prompt"] for t in texts], tokenizer)
+    chosen = _tokenize([t["chosen"] for t in texts], tokenizer)
+    rejected = _tokenize([t["rejected"] for t in texts], tokenizer)
+    bos = tokenizer.bos_token_id
+    out, n_cut = [], 0
+    for row_no, (p, c, r) in enumerate(zip(prompts, chosen, rejected), start=1):
+        if bos is not None and (not p or p[0] != bos):
+            p = [bos] + p
+        if not c or not r:
+            raise UserError(f"{source} row {row_no}: field {'chosen' if not c else 'rejected'!r} is empty after "
+                            "tokenization")
+        p, (c, r), cut = _truncate(p, [c, r], max_prompt_length, max_length, source, row_no)
+        n_cut += cut
+        out.append(PreferenceExample(p, c, r))
+    if n_cut:
+        logger.warning("%s: %d of %d rows truncated to --max_prompt_length %s / --max_length %d",
+                       source, n_cut, len(out), max_prompt_length, max_length)
+    return out

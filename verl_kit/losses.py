@@ -1,0 +1,35 @@
+"""Preference losses as pure tensor functions. Inputs are per-sequence log-probabilities summed (or averaged, for IPO)
+over completion tokens; outputs are per-example losses, so the caller chooses and states the reduction."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def dpo_logits(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+               ref_rejected: torch.Tensor) -> torch.Tensor:
+    """h = (log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x)).  All inputs (B,), output (B,)."""
+    return (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid",
+             label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-pair DPO-family loss, shape (B,).
+
+    sigmoid: -log sigma(beta*h), DPO (Rafailov et al. 2023, eq. 7); with label_smoothing eps > 0 it is the
+             conservative DPO of Mitchell (2023): -(1-eps) log sigma(beta*h) - eps log sigma(-beta*h).
+    ipo:     (h - 1/(2*beta))^2, IPO (Azar et al. 2023, eq. 17); pass length-averaged log-probs, as the paper does.
+    """
+    h = dpo_logits(policy_chosen, policy_rejected, ref_chosen, ref_rejected)
+    if loss_type == "sigmoid":
+        return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    if loss_type == "ipo":
+        return (h - 1 / (2 * beta)) ** 2
+    raise ValueError(f"--loss_type: unknown value {loss_type!r}; choose one of: sigmoid, ipo")
+
+
+def implicit_rewards(policy_logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO's implicit reward r = beta * (log pi(y|x) - log ref(y|x)), shape (B,)."""
+    return beta * (policy_logps - ref_logps).detach()

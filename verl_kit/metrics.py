@@ -1,0 +1,121 @@
+"""Run logging: a readable INFO line per logging step, a progress bar, `<output_dir>/metrics.jsonl` (one JSON object
+per logged step), the accelerate trackers (wandb, tensorboard) and, at the end, a PNG of the curves."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+
+logger = logging.getLogger("verl_kit")
+
+
+def setup_logging(is_main: bool) -> None:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO if is_main else logging.WARNING, force=True)
+    for noisy in ("httpx", "datasets", "filelock", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def check_writable(output_dir: str) -> None:
+    from verl_kit.errors import UserError
+
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        probe = os.path.join(output_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"--output_dir {output_dir}: not writable ({e.strerror})") from None
+
+
+class MetricsLogger:
+    """Main-process sink for metrics. On resume, rows past the resumed step (logged by the killed run after its last
+    checkpoint) are dropped so that metrics.jsonl reads as one run."""
+
+    def __init__(self, accelerator, output_dir: str, total_steps: int, start_step: int = 0, config: dict | None = None,
+                 run_name: str | None = None):
+        self.accelerator = accelerator
+        self.main = accelerator.is_main_process
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.start = time.time()
+        self.bar = None
+        if not self.main:
+            return
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
+            with open(self.path, "w") as f:
+                f.writelines(rows if start_step > 0 else [])
+        if accelerator.log_with:
+            init = {"wandb": {"name": run_name}} if run_name else {}
+            accelerator.init_trackers("verl-kit", config=config, init_kwargs=init)
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
+                        disable=os.environ.get("VERL_KIT_NO_BAR") == "1")
+
+    def log(self, step: int, metrics: dict, line: str | None = None) -> None:
+        """Append metrics for `step`; `line` is the human summary for the INFO log (default: all metrics)."""
+        if not self.main:
+            return
+        row = {"step": step, "elapsed_s": round(time.time() - self.start, 3),
+               **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.accelerator.log_with:
+            self.accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=step)
+        text = line or " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+        msg = f"step {step}: {text} elapsed={row['elapsed_s']:.0f}s"
+        if self.bar is not None and not self.bar.disable:
+            self.bar.write(time.strftime("%H:%M:%S ") + "INFO " + msg)
+        else:
+            logger.info(msg)
+
+    def advance(self, n: int = 1, **postfix) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            if postfix:
+                self.bar.set_postfix({k: _fmt(v) for k, v in postfix.items()}, refresh=False)
+
+    def close(self, plot_keys: list[str]) -> None:
+        if not self.main:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        if self.accelerator.log_with:
+            self.accelerator.end_training()
+        plot_curves(self.path, plot_keys, os.path.join(os.path.dirname(self.path), "curves.png"))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) and abs(v) < 1e5 else f"{v:.3e}"
+    return str(v)
+
+
+def plot_curves(metrics_path: str, keys: list[str], out_png: str) -> None:
+    """One panel per metric key present in metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    keys = [k for k in keys if any(k in r for r in rows)]
+    if not keys:
+        return
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
+    for ax, k in zip(axes[0], keys):
+        pts = [(r["step"], r[k]) for r in rows if k in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 30 else None)
+        ax.set_title(k)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)

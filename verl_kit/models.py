@@ -1,0 +1,104 @@
+"""Loading causal LMs and tokenizers, gradient checkpointing, and the HF export of a trained model (gathered from
+ZeRO-3 shards). Under ZeRO-3 with `zero3_init_flag`, from_pretrained loads straight into shards because the
+Accelerator, built first, has registered its DeepSpeed config with transformers."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+
+import torch
+
+from verl_kit.errors import UserError
+from verl_kit.tiny import TINY_MODEL_NAME, build_tiny_model
+
+logger = logging.getLogger(__name__)
+
+
+def cache_dir() -> str:
+    return os.environ.get("VERL_KIT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "verl_kit"))
+
+
+def resolve_model_path(name: str) -> str:
+    """'tiny-llama' -> the embedded model, built offline into the cache on first use; otherwise `name` unchanged
+    after checking that a local path exists or the name can be found by transformers."""
+    if name == TINY_MODEL_NAME:
+        path = os.path.join(cache_dir(), "tiny-llama-v1")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            logger.info("building the embedded tiny model in %s", path)
+            build_tiny_model(path)
+        return path
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise UserError(f"--model_name_or_path {name}: directory has no config.json")
+        return name
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--model_name_or_path {name!r}: not found (looked for a local directory "
+                        f"{os.path.abspath(name)} and in the Hugging Face cache/hub: {str(e).splitlines()[0]})") from None
+    return name
+
+
+def default_attn_implementation() -> str:
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(path: str, attn_implementation: str | None = None, gradient_checkpointing: bool = False):
+    """fp32 weights (DeepSpeed/autocast handle bf16 on GPU); gradient checkpointing without reentrancy."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attn_implementation or default_attn_implementation())
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def uses_block_mask(model) -> bool:
+    """Packed rows need an explicit block-diagonal mask unless flash-attention's varlen path reads position ids."""
+    return getattr(model.config, "_attn_implementation", "sdpa") != "flash_attention_2"
+
+
+def export_hf(accelerator, model, tokenizer, out_dir: str) -> None:
+    """Write the model (ZeRO-3 shards gathered) as safetensors + tokenizer to `out_dir`, atomically."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        tmp = out_dir.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.rename(tmp, out_dir)
+    accelerator.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def gathered_params(model, params=None, modifier_rank=None):
+    """Gather ZeRO-3 partitioned parameters for the duration of the block; a no-op without ZeRO-3."""
+    params = list(model.parameters()) if params is None else list(params)
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+            yield
+    else:
+        yield

@@ -1,0 +1,154 @@
+"""Lay variable-length sequences out in rows, packed (padding-free) or padded, and score them exactly.
+
+Packed rows hold several sequences back to back. Position ids restart at 0 for each sequence, and attention is kept
+inside each sequence by a block-diagonal causal mask (4D, additive, for sdpa/eager on CPU). With flash-attention the
+mask is dropped: transformers' varlen path reads sequence boundaries from the restarting position ids. On CPU,
+position ids alone do NOT separate sequences under sdpa, which is why the mask is built there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenBatch:
+    """N sequences laid out in R rows of length L. Fields:
+
+    input_ids      (R, L) long   token ids, pad_id in padding
+    position_ids   (R, L) long   restart at 0 at each sequence start
+    seq_ids        (R, L) long   index of the sequence a token belongs to, -1 for padding
+    loss_mask      (R, L) bool   token is scored (a completion token)
+    attention_mask (R, L) long padding mask (padded layout), (R, 1, L, L) float additive mask (packed, sdpa),
+                   or None (packed, flash-attention varlen)
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    seq_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
+    num_seqs: int
+
+    def to(self, device) -> "TokenBatch":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return TokenBatch(move(self.input_ids), move(self.position_ids), move(self.seq_ids), move(self.loss_mask),
+                          move(self.attention_mask), self.num_seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-pad) tokens."""
+        return int((self.seq_ids >= 0).sum())
+
+
+def pack_rows(lengths: list[int], row_len: int) -> list[list[int]]:
+    """Best-fit-decreasing bin packing of sequence indices into rows of at most `row_len` tokens."""
+    rows: list[list[int]] = []
+    space: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] > row_len:
+            raise ValueError(f"a sequence of {lengths[i]} tokens does not fit packing_length={row_len}")
+        best = min((r for r in range(len(rows)) if space[r] >= lengths[i]), key=lambda r: space[r], default=None)
+        if best is None:
+            rows.append([i])
+            space.append(row_len - lengths[i])
+        else:
+            rows[best].append(i)
+            space[best] -= lengths[i]
+    return rows
+
+
+def layout(seqs: list[list[int]], loss_masks: list[list[bool]], pad_id: int, packing: bool,
+           packing_length: int | None = None, block_mask: bool = True, dtype: torch.dtype = torch.float32) -> TokenBatch:
+    """Build a TokenBatch. `packing=False`: one sequence per row, right-padded to the longest.
+    `packing=True`: sequences packed into rows of at most `packing_length` tokens (default: the longest sequence);
+    `block_mask=False` leaves attention_mask None for the flash-attention varlen path."""
+    lengths = [len(s) for s in seqs]
+    if packing:
+        row_len = max(packing_length or 0, max(lengths))
+        rows = pack_rows(lengths, row_len)
+        width = max(sum(lengths[i] for i in r) for r in rows)
+    else:
+        rows = [[i] for i in range(len(seqs))]
+        width = max(lengths)
+    R = len(rows)
+    input_ids = torch.full((R, width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((R, width), dtype=torch.long)
+    seq_ids = torch.full((R, width), -1, dtype=torch.long)
+    loss_mask = torch.zeros((R, width), dtype=torch.bool)
+    for r, members in enumerate(rows):
+        pos = 0
+        for i in members:
+            n = lengths[i]
+            input_ids[r, pos:pos + n] = torch.tensor(seqs[i])
+            position_ids[r, pos:pos + n] = torch.arange(n)
+            seq_ids[r, pos:pos + n] = i
+            loss_mask[r, pos:pos + n] = torch.tensor(loss_masks[i], dtype=torch.bool)
+            pos += n
+    if not packing:
+        attention_mask = (seq_ids >= 0).long()
+    elif block_mask:
+        attention_mask = block_causal_mask(seq_ids, dtype)
+    else:
+        attention_mask = None
+    return TokenBatch(input_ids, position_ids, seq_ids, loss_mask, attention_mask, len(seqs))
+
+
+def block_causal_mask(seq_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(R, L) sequence ids -> (R, 1, L, L) additive mask: 0 where query i may see key j (same sequence, j <= i),
+    the dtype's minimum elsewhere. A padding position sees only itself, so no softmax row is empty."""
+    R, L = seq_ids.shape
+    same = seq_ids[:, :, None] == seq_ids[:, None, :]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    allowed = (same & causal) | torch.eye(L, dtype=torch.bool)
+    mask = torch.zeros(R, 1, L, L, dtype=dtype)
+    return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+
+
+def token_logprobs(logits: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the scored tokens. logits (R, L, V) -> (logps (M,), seq_index (M,)) for the M scored
+    tokens, each predicted from the previous position of the same sequence."""
+    target = batch.input_ids[:, 1:]
+    scored = batch.loss_mask[:, 1:] & (batch.seq_ids[:, 1:] == batch.seq_ids[:, :-1])
+    picked = logits[:, :-1][scored].float()  # (M, V): only scored positions reach the vocab-wide logsumexp
+    logps = picked.gather(-1, target[scored][:, None]).squeeze(-1) - picked.logsumexp(-1)
+    return logps, batch.seq_ids[:, 1:][scored]
+
+
+def sequence_logprobs(logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+    """Sum of scored-token log-probabilities per sequence: logits (R, L, V) -> (N,)."""
+    logps, index = token_logprobs(logits, batch)
+    return torch.zeros(batch.num_seqs, dtype=logps.dtype, device=logps.device).index_add(0, index, logps)
+
+
+def forward_logits(model, batch: TokenBatch) -> torch.Tensor:
+    """Run a causal LM on a TokenBatch; returns logits (R, L, V)."""
+    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                 position_ids=batch.position_ids, use_cache=False).logits
+
+
+def split_by_tokens(costs: list[int], budget: int | None, n_chunks: int | None = None) -> list[list[int]]:
+    """Split item indices into micro-batches. With `n_chunks`, exactly that many (balanced by cost, longest first, so
+    every rank can run the same number of forward passes under ZeRO-3); otherwise the fewest chunks whose summed
+    cost stays within `budget` (first-fit decreasing; an item larger than the budget gets a chunk of its own)."""
+    order = sorted(range(len(costs)), key=lambda i: -costs[i])
+    if n_chunks is not None:
+        chunks: list[list[int]] = [[] for _ in range(n_chunks)]
+        load = [0] * n_chunks
+        for i in order:
+            j = min(range(n_chunks), key=lambda j: (load[j], len(chunks[j])))
+            chunks[j].append(i)
+            load[j] += costs[i]
+        return [sorted(c) for c in chunks if c]
+    chunks, load = [], []
+    for i in order:
+        j = next((j for j in range(len(chunks)) if load[j] + costs[i] <= budget), None)
+        if j is None:
+            chunks.append([i])
+            load.append(costs[i])
+        else:
+            chunks[j].append(i)
+            load[j] += costs[i]
+    return [sorted(c) for c in chunks]

@@ -1,0 +1,44 @@
+"""Scoring examples with a model: per-sequence completion log-probs for many examples at once, sharded over ranks
+and gathered back in order. Used for reference log-probs (computed once, before the first update) and evaluation."""
+
+from __future__ import annotations
+
+import torch
+
+from verl_kit.distributed import shard, unshard
+from verl_kit.packing import TokenBatch, forward_logits, layout, sequence_logprobs
+
+Sequences = tuple[list[list[int]], list[list[bool]]]  # token ids and loss masks of an example's k sequences
+
+
+def completion_sequences(prompt: list[int], completions: list[list[int]]) -> Sequences:
+    """prompt + each completion, with only the completion tokens scored."""
+    seqs = [prompt + c for c in completions]
+    masks = [[False] * len(prompt) + [True] * len(c) for c in completions]
+    return seqs, masks
+
+
+def make_batch(items: list[Sequences], cfg, pad_id: int, block_mask: bool) -> TokenBatch:
+    """Flatten the items' sequences (item-major) into one packed or padded TokenBatch."""
+    seqs = [s for item in items for s in item[0]]
+    masks = [m for item in items for m in item[1]]
+    return layout(seqs, masks, pad_id, packing=cfg.packing, packing_length=cfg.packing_length, block_mask=block_mask)
+
+
+@torch.no_grad()
+def score_items(accelerator, model, items: list[Sequences], cfg, pad_id: int, block_mask: bool) -> torch.Tensor:
+    """Summed completion log-probs of every sequence of every item: (n_items, k), on CPU, identical on all ranks.
+    Every rank scores ceil(n/world) items in the same number of forward passes (ZeRO-3 needs lockstep)."""
+    was_training = model.training
+    model.eval()
+    mine = shard(len(items), accelerator.process_index, accelerator.num_processes)
+    k = len(items[0][0])
+    out = []
+    for i in range(0, len(mine), cfg.per_device_eval_batch_size):
+        chunk = [items[j] for j in mine[i:i + cfg.per_device_eval_batch_size]]
+        batch = make_batch(chunk, cfg, pad_id, block_mask).to(accelerator.device)
+        out.append(sequence_logprobs(forward_logits(model, batch), batch).float().view(len(chunk), k))
+    local = torch.cat(out)
+    gathered = accelerator.gather(local) if accelerator.num_processes > 1 else local
+    model.train(was_training)
+    return unshard(gathered.cpu(), len(items), accelerator.num_processes)
