@@ -13,6 +13,10 @@ logger = logging.getLogger("verl_kit")
 
 
 def setup_logging(is_main: bool) -> None:
+    import warnings
+
+    # torch renamed the collectives DeepSpeed calls; the warning repeats on every step and says nothing to users.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO if is_main else logging.WARNING, force=True)
     for noisy in ("httpx", "datasets", "filelock", "urllib3"):
