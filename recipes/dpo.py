@@ -21,8 +21,16 @@ from transformers import get_scheduler
 from verl_kit.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from verl_kit.config import TrainConfig, parse_args
 from verl_kit.data import load_split, preference_examples
-from verl_kit.distributed import (all_reduce_max, all_reduce_sum, clip_grad_norm, destroy, make_accelerator,
-                                  micro_step, step_indices)
+from verl_kit.distributed import (
+    all_reduce_max,
+    all_reduce_sum,
+    clip_grad_norm,
+    destroy,
+    make_accelerator,
+    micro_step,
+    param_counts,
+    step_indices,
+)
 from verl_kit.errors import UserError, main_guard
 from verl_kit.losses import dpo_loss, implicit_rewards
 from verl_kit.metrics import MetricsLogger, check_writable, setup_logging
@@ -39,8 +47,9 @@ class DPOConfig(TrainConfig):
         "help": "assumed fraction of flipped labels: conservative DPO (sigmoid loss only)"})
 
 
-def pair_rewards(logps, ref, lengths, cfg):
-    """Implicit rewards (B, 2) of chosen and rejected; IPO scores length-averaged log-probs."""
+def length_average(logps, ref, lengths, cfg):
+    """Policy and reference log-probs (B, 2) as the loss wants them: IPO compares length-averaged log-probs
+    (Azar et al. 2023, section 5.2), DPO compares sums."""
     if cfg.loss_type == "ipo":
         logps, ref = logps / lengths, ref / lengths
     return logps, ref
@@ -84,7 +93,7 @@ def main():
 
     def evaluate(step):
         logps = score_items(accelerator, model, items(test), cfg, pad, block_mask)
-        pol, ref = pair_rewards(logps, ref_test, lengths(test), cfg)
+        pol, ref = length_average(logps, ref_test, lengths(test), cfg)
         rewards = implicit_rewards(pol, ref, cfg.beta)
         acc = (rewards[:, 0] > rewards[:, 1]).float().mean().item()
         loss = dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], cfg.beta, cfg.loss_type, cfg.label_smoothing)
@@ -94,8 +103,11 @@ def main():
     resume = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
     start = load_checkpoint(accelerator, resume)["step"] if resume else 0
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
-    if start == 0 and test:
-        evaluate(0)
+    if start == 0:
+        local, total = param_counts(model)
+        log.log(0, {"params/total": total, "params/local": local, "pairs/train": len(train), "pairs/test": len(test)})
+        if test:
+            evaluate(0)
 
     # ---- training loop -------------------------------------------------------------------------------------------
     model.train()
@@ -115,7 +127,8 @@ def main():
             batch = make_batch(items(exs), cfg, pad, block_mask).to(device)
             with micro_step(accelerator, model, last=j == len(chunks) - 1):
                 logps = sequence_logprobs(forward_logits(model, batch), batch).view(-1, 2)
-                pol, ref = pair_rewards(logps, ref_train[[idx[i] for i in chunk]].to(device), lengths(exs).to(device), cfg)
+                ref = ref_train[[idx[i] for i in chunk]].to(device)
+                pol, ref = length_average(logps, ref, lengths(exs).to(device), cfg)
                 losses = dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], cfg.beta, cfg.loss_type,
                                   cfg.label_smoothing)
                 # Mean over the pairs of the global step. DDP and DeepSpeed average gradients over ranks, so the

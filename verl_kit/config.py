@@ -107,9 +107,13 @@ def parse_args(config_cls, argv: list[str] | None = None):
         if unknown:
             raise UserError(f"--config {path}: unknown key(s) {', '.join(unknown)}")
     try:
-        (cfg_obj,) = Parser(config_cls).parse_args_and_config(argv)
-    except ValueError as e:  # TrlParser's own complaints (e.g. bad yaml env)
-        raise UserError(str(e).splitlines()[0]) from None
+        (cfg_obj,) = Parser(config_cls, allow_abbrev=False).parse_args_and_config(argv)
+    except ValueError as e:  # HfArgumentParser's leftover arguments, TrlParser's own complaints
+        msg = str(e).splitlines()[0]
+        if "not used by the HfArgumentParser" in msg:
+            flags = [a for a in argv if a.startswith("-") and a.split("=")[0] in msg]
+            msg = f"unknown flag(s) {', '.join(flags) or msg.split(':', 1)[1].strip()} (see --help)"
+        raise UserError(msg) from None
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(cfg_obj):
         value = getattr(cfg_obj, f.name)

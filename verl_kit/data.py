@@ -27,6 +27,8 @@ def load_split(name: str, split: str, config: str | None = None, required: bool 
         builder = _BUILDERS.get(os.path.splitext(name)[1].lower())
         if builder is None:
             raise UserError(f"--dataset_name {name}: unsupported file type (use .jsonl, .json or .parquet)")
+        if os.path.getsize(name) == 0:
+            raise UserError(f"--dataset_name {name}: file is empty")
         if base_split != "train":
             if required:
                 raise UserError(f"--dataset_name {name}: a single file has only the split 'train', not {split!r}")
@@ -42,11 +44,15 @@ def load_split(name: str, split: str, config: str | None = None, required: bool 
         ds = datasets.load_dataset(*args, split=split, **kwargs)
     except ValueError as e:
         msg = str(e).splitlines()[0]
+        if "corresponds to no data" in msg:
+            raise UserError(f"--dataset_name {name}: split {split!r} is empty") from None
         if "split" in msg.lower() and not required:
             return None
         raise UserError(f"--dataset_name {name}: cannot load split {split!r}: {msg}") from None
     except (FileNotFoundError, ConnectionError, OSError) as e:
         raise UserError(f"--dataset_name {name}: cannot load it ({str(e).splitlines()[0]})") from None
+    except StopIteration:
+        raise UserError(f"--dataset_name {name}: no rows found") from None
     except datasets.exceptions.DatasetGenerationError as e:
         cause = e.__cause__ or e
         raise UserError(f"--dataset_name {name}: cannot parse it ({str(cause).splitlines()[0]})") from None
@@ -156,3 +162,70 @@ def preference_examples(ds, tokenizer, max_prompt_length: int | None, max_length
         logger.warning("%s: %d of %d rows truncated to --max_prompt_length %s / --max_length %d",
                        source, n_cut, len(out), max_prompt_length, max_length)
     return out
+
+
+@dataclass
+class UnpairedExample:
+    """One completion labelled desirable (True) or undesirable (False), as token ids. prompt_ids (P,),
+    completion_ids (C,)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    label: bool
+
+
+def unpaired_examples(ds, tokenizer, max_prompt_length: int | None, max_length: int, source: str,
+                      unpair: bool = True) -> list[UnpairedExample]:
+    """Validate, template and tokenize an unpaired dataset (TRL's format: prompt, completion, boolean label).
+    A paired preference dataset (prompt?, chosen, rejected) is converted when `unpair` is set, as TRL's
+    `unpair_preference_dataset` does: row i becomes examples 2i (chosen, desirable) and 2i+1 (rejected, undesirable)."""
+    rows = list(ds)
+    paired = "completion" not in rows[0] and "chosen" in rows[0] and "rejected" in rows[0]
+    if paired and not unpair:
+        raise UserError(f"{source}: a paired preference dataset (chosen/rejected); pass --unpair_preference_dataset "
+                        "true to use chosen as desirable and rejected as undesirable")
+    keys = ("chosen", "rejected") if paired else ("completion",)
+    for row_no, row in enumerate(rows, start=1):
+        for key in ("prompt", *keys):
+            _check_field(source, row_no, row, key, required=key != "prompt" or not paired)
+        if not paired and not isinstance(row.get("label"), bool):
+            if row.get("label") is None:
+                raise UserError(f"{source} row {row_no}: missing field 'label'")
+            raise UserError(f"{source} row {row_no}: field 'label' must be true or false, got "
+                            f"{type(row['label']).__name__} {row['label']!r}")
+    texts = _template_rows(rows, tokenizer, source, keys)
+    prompts = _tokenize([t["prompt"] for t in texts], tokenizer)
+    completions = list(zip(*[_tokenize([t[k] for t in texts], tokenizer) for k in keys]))
+    labels = [(True, False)] * len(rows) if paired else [(row["label"],) for row in rows]
+    bos = tokenizer.bos_token_id
+    out, n_cut = [], 0
+    for row_no, (p, cs, ls) in enumerate(zip(prompts, completions, labels), start=1):
+        if bos is not None and (not p or p[0] != bos):
+            p = [bos] + p
+        for key, c in zip(keys, cs):
+            if not c:
+                raise UserError(f"{source} row {row_no}: field {key!r} is empty after tokenization")
+        p, cs, cut = _truncate(p, list(cs), max_prompt_length, max_length, source, row_no)
+        n_cut += cut
+        out.extend(UnpairedExample(p, c, label) for c, label in zip(cs, ls))
+    if n_cut:
+        logger.warning("%s: %d of %d rows truncated to --max_prompt_length %s / --max_length %d",
+                       source, n_cut, len(rows), max_prompt_length, max_length)
+    return out
+
+
+def mismatched_partners(prompts: list[list[int]], seed: int) -> list[int]:
+    """For each example i, the example j(i) whose completion is paired with prompt i to estimate KTO's KL term.
+    j is a seeded cyclic shift of a random order: j(i) != i, every completion is used about once, and the shift
+    is lengthened where it would land on the same prompt (paired data unpaired: siblings share their prompt)."""
+    import torch
+
+    n = len(prompts)
+    if n < 2:
+        raise UserError(f"KTO needs at least 2 training examples to pair prompts with other completions, got {n}")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    partner = [0] * n
+    for k, i in enumerate(order):
+        shifts = (order[(k + s) % n] for s in range(1, min(n, 16)))
+        partner[i] = next((j for j in shifts if prompts[j] != prompts[i]), order[(k + 1) % n])
+    return partner

@@ -117,3 +117,11 @@ def destroy() -> None:
 
 def is_rank_zero() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def param_counts(model) -> tuple[int, int]:
+    """(parameters held by this rank, parameters of the whole model). Under ZeRO-3 a parameter's local shard is
+    `ds_tensor` and its full size `ds_numel`; otherwise every rank holds everything."""
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return local, total

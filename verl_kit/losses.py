@@ -33,3 +33,28 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 def implicit_rewards(policy_logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) -> torch.Tensor:
     """DPO's implicit reward r = beta * (log pi(y|x) - log ref(y|x)), shape (B,)."""
     return beta * (policy_logps - ref_logps).detach()
+
+
+def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor, beta: float,
+             desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> torch.Tensor:
+    """Per-example KTO loss, shape (B,) (Ethayarajh et al. 2024, eq. 7-8). With r = log pi(y|x) - log ref(y|x) and
+    the reference point z0 = `kl` (a detached scalar, see kl_reference_point):
+
+        desirable (label True):    lambda_D * (1 - sigma(beta * (r - z0)))
+        undesirable (label False): lambda_U * (1 - sigma(beta * (z0 - r)))
+
+    policy_logps (B,), ref_logps (B,) summed completion log-probs; labels (B,) bool; kl () -> (B,). Any mix of
+    labels, including one class only or B = 0, is valid: the caller divides the sum by the global example count."""
+    r = policy_logps - ref_logps
+    kl = kl.detach()
+    value = torch.where(labels, torch.sigmoid(beta * (r - kl)), torch.sigmoid(beta * (kl - r)))
+    weight = torch.where(labels, desirable_weight, undesirable_weight).to(value.dtype)
+    return weight * (1 - value)
+
+
+def kl_reference_point(kl_logratio_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """KTO's reference point z0 = max(0, KL estimate), shape (). The estimate is the mean of
+    log pi(y'|x) - log ref(y'|x) over mismatched pairs (x, y'): pass its sum and count already added up over all
+    micro-batches and ranks, so every example of a step sees the same z0. Detached (no gradient flows through z0,
+    as in the paper); 0 when count is 0."""
+    return (kl_logratio_sum.detach() / count.clamp(min=1)).clamp(min=0)

@@ -35,13 +35,15 @@ def resolve_model_path(name: str) -> str:
         if not os.path.isfile(os.path.join(name, "config.json")):
             raise UserError(f"--model_name_or_path {name}: directory has no config.json")
         return name
+    if name.startswith(("/", ".", "~")):
+        raise UserError(f"--model_name_or_path {name}: no such directory")
     from transformers import AutoConfig
 
     try:
         AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise UserError(f"--model_name_or_path {name!r}: not found (looked for a local directory "
-                        f"{os.path.abspath(name)} and in the Hugging Face cache/hub: {str(e).splitlines()[0]})") from None
+        raise UserError(f"--model_name_or_path {name}: not found as a local directory ({os.path.abspath(name)}) "
+                        f"nor in the Hugging Face cache/hub ({str(e).splitlines()[0]})") from None
     return name
 
 

@@ -32,7 +32,7 @@ class TokenBatch:
     attention_mask: torch.Tensor | None
     num_seqs: int
 
-    def to(self, device) -> "TokenBatch":
+    def to(self, device) -> TokenBatch:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return TokenBatch(move(self.input_ids), move(self.position_ids), move(self.seq_ids), move(self.loss_mask),
                           move(self.attention_mask), self.num_seqs)
@@ -61,7 +61,8 @@ def pack_rows(lengths: list[int], row_len: int) -> list[list[int]]:
 
 
 def layout(seqs: list[list[int]], loss_masks: list[list[bool]], pad_id: int, packing: bool,
-           packing_length: int | None = None, block_mask: bool = True, dtype: torch.dtype = torch.float32) -> TokenBatch:
+           packing_length: int | None = None, block_mask: bool = True,
+           dtype: torch.dtype = torch.float32) -> TokenBatch:
     """Build a TokenBatch. `packing=False`: one sequence per row, right-padded to the longest.
     `packing=True`: sequences packed into rows of at most `packing_length` tokens (default: the longest sequence);
     `block_mask=False` leaves attention_mask None for the flash-attention varlen path."""

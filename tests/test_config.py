@@ -1,0 +1,56 @@
+"""Config parsing: yaml + CLI (CLI wins), HF/TRL flag names, and one-line errors for every mistake."""
+
+import pytest
+
+from verl_kit.config import TrainConfig, parse_args
+from verl_kit.errors import UserError
+
+
+def test_defaults_and_cli():
+    cfg = parse_args(TrainConfig, ["--learning_rate", "1e-3", "--packing", "false", "--max_steps", "7"])
+    assert cfg.learning_rate == 1e-3 and cfg.packing is False and cfg.max_steps == 7
+    assert cfg.model_name_or_path == "tiny-llama"
+
+
+def test_yaml_then_cli_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 0.002\nper_device_train_batch_size: 3\ndataset_test_split: none\n")
+    cfg = parse_args(TrainConfig, ["--config", str(path), "--per_device_train_batch_size", "5"])
+    assert cfg.learning_rate == 0.002  # from yaml
+    assert cfg.per_device_train_batch_size == 5  # CLI wins
+    assert cfg.dataset_test_split is None
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--learning_rat", "1e-3"], "unknown flag.* --learning_rat "),
+    (["--lerning_rate", "1e-3"], "unknown flag.* --lerning_rate "),
+    (["--learning_rate", "fast"], "--learning_rate.*invalid float value: 'fast'"),
+    (["--report_to", "mlflow"], "--report_to: 'mlflow' is not one of none, wandb, tensorboard"),
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size: must be >= 1"),
+    (["--max_prompt_length", "600", "--max_length", "512"], "--max_prompt_length"),
+    (["--bf16", "maybe"], "--bf16"),
+])
+def test_cli_errors_name_the_flag(argv, expected):
+    with pytest.raises(UserError, match=expected):
+        parse_args(TrainConfig, argv)
+
+
+def test_yaml_errors_name_the_key(tmp_path):
+    bad_key = tmp_path / "k.yaml"
+    bad_key.write_text("learning_rate: 0.1\nlerning_rate: 0.2\n")
+    with pytest.raises(UserError, match="unknown key.*lerning_rate"):
+        parse_args(TrainConfig, ["--config", str(bad_key)])
+    bad_type = tmp_path / "t.yaml"
+    bad_type.write_text("learning_rate: fast\n")
+    with pytest.raises(UserError, match="--learning_rate.*invalid float value: 'fast'"):
+        parse_args(TrainConfig, ["--config", str(bad_type)])
+    with pytest.raises(UserError, match="--config: no such file"):
+        parse_args(TrainConfig, ["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_recipes_are_not_importable(monkeypatch):
+    from helpers import REPO
+
+    monkeypatch.syspath_prepend(str(REPO))
+    with pytest.raises(ImportError, match="not a package"):
+        import recipes  # noqa: F401

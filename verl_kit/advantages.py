@@ -1,0 +1,107 @@
+"""From rewards to advantages, as pure tensor functions: KL estimators, the KL penalty folded into per-token rewards,
+the KL coefficient controllers, the penalty for truncated responses, GAE, and whitening with explicit moments.
+
+Shapes: B responses, R response positions (right-padded); `mask (B, R)` is True on real response tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi, (B, R) -> (B, R) (Schulman 2020, "Approximating KL").
+
+    k1 = log pi - log ref                      unbiased, can be negative per token
+    k3 = (r - 1) - log r, r = ref / pi         unbiased, always >= 0, lower variance
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"kl estimator {kind!r}: choose k1 or k3")
+
+
+def truncation_penalty(scores: torch.Tensor, truncated: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Add `penalty` (e.g. -1.0) to the score of responses cut at max_new_tokens without an EOS. (B,), (B,) -> (B,)."""
+    return scores + penalty * truncated.to(scores.dtype)
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """Per-token rewards (B, R): -kl_coef * kl on every response token, plus the sequence score on its last token
+    (Ziegler et al. 2019, eq. 2; Stiennon et al. 2020). scores (B,), kl (B, R), mask (B, R)."""
+    rewards = -kl_coef * kl * mask
+    last = mask.long().sum(-1).clamp(min=1) - 1
+    return rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> torch.Tensor:
+    """Generalized advantage estimation (Schulman et al. 2015, eq. 16), (B, R) -> advantages (B, R).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1}, with V and A zero past the last
+    response token, so the episode ends there. Returns are A + V (the critic's target).
+    """
+    values = values * mask
+    rewards = rewards * mask
+    R = rewards.shape[1]
+    adv = torch.zeros_like(rewards)
+    next_adv = torch.zeros_like(rewards[:, 0])
+    next_value = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(R)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_adv = delta + gamma * lam * next_adv
+        adv[:, t] = next_adv
+        next_value = values[:, t]
+    return adv * mask
+
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(count, sum, sum of squares) of x over mask, float64 (3,). Sum these over ranks (all_reduce) before whiten()
+    so that whitening does not depend on how the batch is split."""
+    x = x.double()[mask.bool()]
+    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), (x * x).sum()])
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, shift_mean: bool = True,
+           eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked tokens, with mean and (population) variance taken from `moments`
+    (masked_moments, possibly summed over ranks). shift_mean=False keeps the mean (scales only). (B, R) -> (B, R)."""
+    count, total, total_sq = moments.tolist()
+    mean = total / count
+    var = max(total_sq / count - mean * mean, 0.0)
+    out = (x - mean) / (var + eps) ** 0.5
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+class AdaptiveKLController(FixedKLController):
+    """Ziegler et al. 2019, section 2.2: e = clip(KL / target - 1, -0.2, 0.2), beta <- beta * (1 + e * n / horizon),
+    with KL the mean per-sequence KL of the batch and n the number of sequences it was measured on. Being stateful,
+    it is checkpointed (state_dict) so that a resumed run continues with the same beta."""
+
+    def __init__(self, kl_coef: float, target: float, horizon: float):
+        super().__init__(kl_coef)
+        self.target, self.horizon = target, horizon
+
+    def update(self, kl: float, n_steps: int) -> None:
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon

@@ -1,0 +1,516 @@
+"""Multi-node runs on a Ray cluster: the recipe and accelerate config of a local run, launched once per node.
+
+    python -m verl_kit.cluster up                                    # local head on 127.0.0.1, dashboard :8265
+    python -m verl_kit.cluster up --address HEAD_IP:6379 --node_ip MY_IP   # join a head from another node
+    python -m verl_kit.cluster run --recipe recipes/dpo.py --nodes 2 --procs_per_node 8 \\
+        --accelerate_config accelerate_configs/zero3.yaml -- --output_dir /shared/runs/dpo
+    python -m verl_kit.cluster status | logs [--job_id ID] | stop [--job_id ID] | down
+
+Ray schedules and supervises; torch.distributed (NCCL on GPU, gloo on CPU) does the collectives. `run` submits a Ray
+job (the working directory travels with it) whose driver (`_driver` below) reserves one placement-group bundle per
+node (STRICT_SPREAD), starts `accelerate launch --machine_rank i --main_process_ip <node 0> ...` on node i from an
+actor pinned to bundle i, streams every node's output as `[node i] ...`, and ends the whole job as soon as one node
+fails or stops answering for --node_timeout_s. The recipe never learns it runs on Ray.
+
+Nothing is left behind: each launch runs under a small reaper process (`_reap`) that is a child subreaper, so it still
+owns the training processes torchrun starts in their own sessions, and kills the whole tree when the launch ends, when
+it is told to stop, or when its actor dies (job stopped, driver killed, node's raylet gone). The placement group is
+removed in a `finally`, and Ray removes it anyway when the job's driver exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+# Variables copied from the submitting shell to every node, so a cluster run behaves like the local one
+# (NCCL/gloo interface choice, offline hub, caches, trackers). CUDA_VISIBLE_DEVICES is Ray's to set.
+PASS_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TORCHELASTIC_", "HF_", "TRANSFORMERS_", "WANDB_", "VERL_KIT_",
+                     "DS_", "PYTORCH_", "FI_", "UCX_")
+PASS_ENV_NAMES = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "CUDA_LAUNCH_BLOCKING")
+WORKING_DIR_EXCLUDES = [".git", ".venv", "outputs", ".cache", "bench/results", "wandb", "**/__pycache__",
+                        ".pytest_cache", ".ruff_cache"]
+DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
+
+
+# ---- node side: the reaper around one `accelerate launch` ---------------------------------------------------------
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_tree(procs: list, grace_s: float) -> None:
+    """SIGTERM every process, wait up to grace_s, SIGKILL the survivors."""
+    import psutil
+
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+def reap(parent_pid: int, cmd: list[str], grace_s: float) -> int:
+    """Run `cmd`, exit with its code, and take every descendant down with it. As a child subreaper (Linux prctl 36)
+    this process inherits the training workers that torchrun starts with start_new_session, even if torchrun dies."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a handler, not SIG_IGN: children must not inherit it
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    child = subprocess.Popen(cmd)
+    while child.poll() is None and not stop.is_set() and os.getppid() == parent_pid:
+        stop.wait(0.5)
+    if child.poll() is None:
+        why = "stop requested" if stop.is_set() else f"its supervisor (pid {parent_pid}) is gone"
+        print(f"[reaper] {why}: terminating the launch and its workers", flush=True)
+        _kill_tree([*_descendants(os.getpid())], grace_s)
+    _kill_tree(_descendants(os.getpid()), grace_s)  # workers orphaned by a crashed launcher
+    rc = child.wait()
+    return rc if rc >= 0 else 128 - rc
+
+
+class NodeAgent:
+    """Ray actor pinned to one placement-group bundle: starts the node's launch and hands its output to the driver."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.proc: subprocess.Popen | None = None
+        self.lines: list[str] = []
+        self.lock = threading.Lock()
+        self.reader: threading.Thread | None = None
+
+    def info(self) -> dict:
+        import psutil
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        ifname = next((name for name, addrs in psutil.net_if_addrs().items()
+                       if any(a.family == socket.AF_INET and a.address == ip for a in addrs)), None)
+        return {"ip": ip, "host": socket.gethostname(), "ifname": ifname, "pid": os.getpid(), "cwd": os.getcwd()}
+
+    def free_port(self, ip: str) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+            return s.getsockname()[1]
+
+    def start(self, cmd: list[str], env: dict, grace_s: float) -> int:
+        full_env = {**os.environ, **env}
+        reaper = [sys.executable, "-m", "verl_kit.cluster", "_reap", "--parent", str(os.getpid()),
+                  "--grace_s", str(grace_s), "--", *cmd]
+        self.proc = subprocess.Popen(reaper, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        return self.proc.pid
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            # progress bars redraw with \r: keep the last state of the line
+            line = raw.decode(errors="replace").rstrip("\r\n").split("\r")[-1]
+            with self.lock:
+                self.lines.append(line)
+
+    def poll(self) -> tuple[list[str], int | None]:
+        """New output lines and the exit code (None while running; set once all output was read)."""
+        with self.lock:
+            lines, self.lines = self.lines, []
+        done = self.proc is not None and self.proc.poll() is not None and not self.reader.is_alive()
+        return lines, (self.proc.returncode if done else None)
+
+    def stop(self, grace_s: float) -> int | None:
+        """Ask the reaper to end the launch; kill the whole tree if it has not after grace_s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        tree = [*_descendants(self.proc.pid)]
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s + 5)
+        except subprocess.TimeoutExpired:
+            import psutil
+
+            _kill_tree([psutil.Process(self.proc.pid), *tree], 1)
+        return self.proc.wait()
+
+
+# ---- head side: the job driver ---------------------------------------------------------------------------------
+
+def launch_command(args, rank: int, main_ip: str, port: int, ds_standard: bool) -> list[str]:
+    """The `accelerate launch` command of node `rank`: the local command plus the multi-node fields."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
+           "--num_machines", str(args.nodes), "--num_processes", str(args.nodes * args.procs_per_node),
+           "--machine_rank", str(rank), "--main_process_ip", main_ip, "--main_process_port", str(port)]
+    if ds_standard:  # accelerate defaults multi-node DeepSpeed to pdsh/ssh; Ray already placed us on every node
+        cmd += ["--deepspeed_multinode_launcher", "standard"]
+    cmd += shlex.split(args.launch_args or "") + [args.recipe]
+    if args.config:
+        cmd += ["--config", args.config]
+    return cmd + list(args.recipe_args)
+
+
+def _uses_deepspeed(config_file: str) -> bool:
+    import yaml
+
+    with open(config_file) as f:
+        cfg = yaml.safe_load(f) or {}
+    ds = cfg.get("deepspeed_config") or {}
+    return cfg.get("distributed_type") == "DEEPSPEED" and "deepspeed_multinode_launcher" not in ds
+
+
+def drive(args) -> int:
+    """Job entrypoint on the head node. Returns 0 when every node's launch exits 0, else 1."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    def say(msg: str) -> None:
+        print(f"[cluster] {msg}", flush=True)
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `ray job stop`: run the finally below
+    ray.init(log_to_driver=False)
+    gpus = args.gpus_per_node
+    if gpus < 0:
+        gpus = args.procs_per_node if ray.cluster_resources().get("GPU", 0) > 0 else 0
+    bundle = {"CPU": args.cpus_per_node, **({"GPU": gpus} if gpus else {})}
+    pg, agents, infos = None, [], []
+    try:
+        pg = placement_group([bundle] * args.nodes, strategy="STRICT_SPREAD", name=f"verl-kit-{os.getpid()}")
+        try:
+            ray.get(pg.ready(), timeout=args.placement_timeout_s)
+        except GetTimeoutError:
+            alive = [f"{n['NodeManagerAddress']} {n['Resources']}" for n in ray.nodes() if n["Alive"]]
+            say(f"error: could not place {args.nodes} nodes x {bundle} (one bundle per node, STRICT_SPREAD) within "
+                f"{args.placement_timeout_s}s; alive nodes: {alive or 'none'}")
+            return 1
+        Agent = ray.remote(NodeAgent)
+        for i in range(args.nodes):
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+            agents.append(Agent.options(scheduling_strategy=strategy, num_cpus=args.cpus_per_node, num_gpus=gpus,
+                                        max_concurrency=4, name=None).remote(i))
+        infos = ray.get([a.info.remote() for a in agents], timeout=args.placement_timeout_s)
+        main_ip = infos[0]["ip"]
+        port = args.main_process_port or ray.get(agents[0].free_port.remote(main_ip), timeout=60)
+        ds_standard = args.nodes > 1 and _uses_deepspeed(args.accelerate_config)
+        for i, (agent, info) in enumerate(zip(agents, infos)):
+            env = {"PYTHONUNBUFFERED": "1", "VERL_KIT_NO_BAR": os.environ.get("VERL_KIT_NO_BAR", "1")}
+            if info["ifname"]:  # the interface that carries this node's Ray address, unless the user chose one
+                for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                    env[var] = os.environ.get(var) or info["ifname"]
+            cmd = launch_command(args, i, main_ip, port, ds_standard)
+            say(f"node {i}: {info['host']} {info['ip']} ({info['ifname']}): {shlex.join(cmd[1:])}")
+            ray.get(agent.start.remote(cmd, env, args.stop_grace_s), timeout=60)
+
+        codes: dict[int, int] = {}
+        failures: list[str] = []
+        tails = [collections.deque(maxlen=args.error_lines) for _ in agents]
+        last_seen = [time.monotonic()] * len(agents)
+        while len(codes) < len(agents) and not failures:
+            live = [i for i in range(len(agents)) if i not in codes]
+            refs = {agents[i].poll.remote(): i for i in live}
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=args.node_timeout_s)
+            now = time.monotonic()
+            for ref in ready:
+                i = refs[ref]
+                try:
+                    lines, rc = ray.get(ref)
+                except RayActorError as e:
+                    failures.append(f"node {i} ({infos[i]['ip']}) lost: its Ray actor died "
+                                    f"({type(e).__name__}: {str(e).splitlines()[0]})")
+                    continue
+                last_seen[i] = now
+                for line in lines:
+                    print(f"[node {i}] {line}", flush=True)
+                    tails[i].append(line)
+                if rc is not None:
+                    codes[i] = rc
+                    if rc != 0:
+                        failures.append(f"node {i} ({infos[i]['ip']}) failed with exit code {rc}")
+            for i in live:
+                if now - last_seen[i] >= args.node_timeout_s:
+                    failures.append(f"node {i} ({infos[i]['ip']}) did not answer for {args.node_timeout_s:.0f}s "
+                                    "(node lost or unreachable)")
+            if not failures:
+                time.sleep(args.poll_s)
+        if not failures:
+            say(f"all {len(agents)} nodes finished")
+            return 0
+        say("error: " + "; ".join(failures) + "; stopping the other nodes")
+        for i, tail in enumerate(tails):
+            if any(f.startswith(f"node {i} ") for f in failures) and tail:
+                say(f"last {len(tail)} lines of node {i}:")
+                for line in tail:
+                    print(f"[node {i}] {line}", flush=True)
+        return 1
+    finally:
+        stops = [a.stop.remote(args.stop_grace_s) for a in agents]
+        if stops:
+            ray.wait(stops, num_returns=len(stops), timeout=args.stop_grace_s + 10)
+        for a in agents:
+            ray.kill(a)
+        if pg is not None:
+            remove_placement_group(pg)
+        ray.shutdown()
+
+
+# ---- client side: up, run, status, logs, stop, down -------------------------------------------------------------
+
+def _ray_bin() -> str:
+    exe = os.path.join(os.path.dirname(sys.executable), "ray")
+    return exe if os.path.exists(exe) else "ray"
+
+
+def up(args) -> int:
+    cmd = [_ray_bin(), "start", "--node-ip-address", args.node_ip, "--disable-usage-stats"]
+    if args.address:
+        cmd += ["--address", args.address]
+    else:
+        cmd += ["--head", "--port", str(args.port), "--dashboard-host", args.dashboard_host or args.node_ip,
+                "--dashboard-port", str(args.dashboard_port), "--include-dashboard=true"]
+    if args.num_cpus is not None:
+        cmd += ["--num-cpus", str(args.num_cpus)]
+    if args.num_gpus is not None:
+        cmd += ["--num-gpus", str(args.num_gpus)]
+    if args.temp_dir:
+        cmd += ["--temp-dir", args.temp_dir]
+    print("+ " + shlex.join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+def _output_dir(args) -> str:
+    """The run's --output_dir as an absolute path: nodes run in copies of the working dir, so a relative path would
+    land in a different temporary directory on each node. It must be on storage every node sees."""
+    rargs = list(args.recipe_args)
+    for k, a in enumerate(rargs):
+        if a == "--output_dir" and k + 1 < len(rargs):
+            path = rargs[k + 1]
+            del rargs[k:k + 2]
+            break
+        if a.startswith("--output_dir="):
+            path = a.split("=", 1)[1]
+            del rargs[k]
+            break
+    else:
+        path = None
+        if args.config:
+            import yaml
+
+            with open(args.config) as f:
+                path = (yaml.safe_load(f) or {}).get("output_dir")
+        if path is None:
+            from verl_kit.config import TrainConfig
+
+            path = TrainConfig.output_dir
+    args.recipe_args = rargs + ["--output_dir", os.path.abspath(path)]
+    return os.path.abspath(path)
+
+
+def _client(address: str):
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address)
+
+
+def _latest_job(client, running_only: bool = False) -> str:
+    jobs = [j for j in client.list_jobs() if j.submission_id and (not running_only or not j.status.is_terminal())]
+    if not jobs:
+        raise SystemExit("error: no " + ("running " if running_only else "") + "jobs on this cluster")
+    return max(jobs, key=lambda j: j.start_time or 0).submission_id
+
+
+def follow(client, job_id: str) -> int:
+    """Print the job's log as it grows; exit code 0 if the job succeeded."""
+    import asyncio
+
+    async def tail():
+        async for chunk in client.tail_job_logs(job_id):
+            print(chunk, end="", flush=True)
+
+    try:
+        asyncio.run(tail())
+    except KeyboardInterrupt:
+        print(f"\n[cluster] interrupted: stopping job {job_id}", flush=True)
+        client.stop_job(job_id)
+        return 130
+    status = client.get_job_status(job_id)
+    while not status.is_terminal():
+        time.sleep(0.5)
+        status = client.get_job_status(job_id)
+    print(f"[cluster] job {job_id}: {status.value}", flush=True)
+    return 0 if status.value == "SUCCEEDED" else 1
+
+
+def run(args) -> int:
+    for flag, path in (("--recipe", args.recipe), ("--accelerate_config", args.accelerate_config),
+                       ("--config", args.config)):
+        if path and not os.path.isfile(path):
+            raise SystemExit(f"error: {flag}: no such file {path!r} (paths are relative to the working dir)")
+    out = _output_dir(args)
+    env = {k: v for k, v in os.environ.items()
+           if (k.startswith(PASS_ENV_PREFIXES) or k in PASS_ENV_NAMES)}
+    driver = [args.python, "-m", "verl_kit.cluster", "_driver", "--recipe", args.recipe, "--nodes", str(args.nodes),
+              "--procs_per_node", str(args.procs_per_node), "--accelerate_config", args.accelerate_config,
+              "--cpus_per_node", str(args.cpus_per_node), "--gpus_per_node", str(args.gpus_per_node),
+              "--node_timeout_s", str(args.node_timeout_s), "--placement_timeout_s", str(args.placement_timeout_s),
+              "--stop_grace_s", str(args.stop_grace_s), "--main_process_port", str(args.main_process_port),
+              "--launch_args", args.launch_args or ""]
+    if args.config:
+        driver += ["--config", args.config]
+    entrypoint = shlex.join(driver + ["--", *args.recipe_args])
+    client = _client(args.address)
+    job_id = client.submit_job(
+        entrypoint=entrypoint, submission_id=args.job_id or f"verl-kit-{time.strftime('%Y%m%d-%H%M%S')}",
+        runtime_env={"working_dir": args.working_dir, "excludes": WORKING_DIR_EXCLUDES, "env_vars": env})
+    print(f"[cluster] submitted job {job_id} to {args.address}: {args.nodes} node(s) x {args.procs_per_node} "
+          f"process(es); output_dir {out} must be on storage every node sees", flush=True)
+    if args.detach:
+        print(f"[cluster] follow: python -m verl_kit.cluster logs --job_id {job_id} --follow", flush=True)
+        return 0
+    return follow(client, job_id)
+
+
+def status(args) -> int:
+    from ray.util.state import list_nodes, list_placement_groups
+
+    nodes = list_nodes(address=args.address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+    print(f"nodes: {len(nodes)} alive")
+    for n in nodes:
+        res = ", ".join(f"{k} {v:g}" for k, v in sorted(n.resources_total.items()) if k in ("CPU", "GPU"))
+        print(f"  {n.node_ip}{' (head)' if n.is_head_node else ''}: {res}")
+    pgs = [p for p in list_placement_groups(address=args.address, raise_on_missing_output=False)
+           if p.state != "REMOVED"]
+    print(f"placement groups: {len(pgs)} not removed" + "".join(f"\n  {p.placement_group_id} {p.name} {p.state}"
+                                                                 for p in pgs))
+    jobs = sorted(_client(args.address).list_jobs(), key=lambda j: j.start_time or 0)
+    print(f"jobs: {len(jobs)}" + "".join(f"\n  {j.submission_id} {j.status.value}" for j in jobs))
+    return 0
+
+
+def logs(args) -> int:
+    client = _client(args.address)
+    job_id = args.job_id or _latest_job(client)
+    if args.follow:
+        return follow(client, job_id)
+    print(client.get_job_logs(job_id), end="")
+    return 0
+
+
+def stop(args) -> int:
+    client = _client(args.address)
+    job_id = args.job_id or _latest_job(client, running_only=True)
+    client.stop_job(job_id)
+    deadline = time.monotonic() + args.wait_s
+    while not client.get_job_status(job_id).is_terminal() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    print(f"[cluster] job {job_id}: {client.get_job_status(job_id).value}")
+    return 0
+
+
+def down(args) -> int:
+    """`ray stop`: ends every Ray process of this user on this machine (run it on each node)."""
+    return subprocess.call([_ray_bin(), "stop"] + (["--force"] if args.force else []))
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    recipe_args: list[str] = []
+    if "--" in argv:  # everything after `--` goes to the recipe untouched
+        k = argv.index("--")
+        argv, recipe_args = argv[:k], argv[k + 1:]
+    env_address = os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_DASHBOARD_ADDRESS")
+    p = argparse.ArgumentParser(prog="python -m verl_kit.cluster", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("up", help="start a Ray head (default: local, on 127.0.0.1) or join one (--address)")
+    s.add_argument("--address", default=None, help="HEAD_IP:PORT of a head to join; empty starts a head")
+    s.add_argument("--node_ip", default="127.0.0.1", help="this node's address (what the other nodes reach)")
+    s.add_argument("--port", type=int, default=6379, help="head: GCS port")
+    s.add_argument("--dashboard_host", default=None, help="head: dashboard bind address (default: --node_ip)")
+    s.add_argument("--dashboard_port", type=int, default=8265, help="head: dashboard and job API port")
+    s.add_argument("--num_cpus", type=int, default=None, help="CPUs Ray may schedule on this node")
+    s.add_argument("--num_gpus", type=int, default=None, help="GPUs Ray may schedule on this node")
+    s.add_argument("--temp_dir", default=None, help="Ray's session/log directory (default /tmp/ray)")
+
+    def add_address(s):
+        s.add_argument("--address", default=env_address or DEFAULT_DASHBOARD,
+                       help="dashboard (job API) URL of the head; env RAY_API_SERVER_ADDRESS")
+
+    def add_run_args(s, driver: bool):
+        s.add_argument("--recipe", default="recipes/dpo.py", help="recipe script, relative to the working dir")
+        s.add_argument("--config", default=None, help="recipe yaml config passed as --config")
+        s.add_argument("--nodes", type=int, default=1, help="nodes; one placement-group bundle each")
+        s.add_argument("--procs_per_node", type=int, default=1, help="training processes per node (GPUs per node)")
+        s.add_argument("--accelerate_config", default="accelerate_configs/zero3.yaml", help="accelerate yaml")
+        s.add_argument("--launch_args", default="", help="extra `accelerate launch` flags, e.g. '--cpu'")
+        s.add_argument("--cpus_per_node", type=float, default=1, help="CPUs reserved per node bundle")
+        s.add_argument("--gpus_per_node", type=int, default=-1,
+                       help="GPUs reserved per node bundle; -1: procs_per_node if the cluster has GPUs, else 0")
+        s.add_argument("--node_timeout_s", type=float, default=60,
+                       help="a node that does not answer for this long fails the job")
+        s.add_argument("--placement_timeout_s", type=float, default=300, help="wait this long for the nodes")
+        s.add_argument("--stop_grace_s", type=float, default=10, help="SIGTERM-to-SIGKILL grace when stopping a node")
+        s.add_argument("--main_process_port", type=int, default=0, help="rendezvous port on node 0; 0: a free one")
+        if driver:
+            s.add_argument("--poll_s", type=float, default=0.5, help="log/heartbeat poll interval")
+            s.add_argument("--error_lines", type=int, default=40, help="lines of a failed node's output to repeat")
+        else:
+            add_address(s)
+            s.add_argument("--working_dir", default=".", help="directory shipped to every node (cwd of the run)")
+            s.add_argument("--python", default=sys.executable, help="python on the cluster nodes (same path on each)")
+            s.add_argument("--job_id", default=None, help="submission id (default verl-kit-<time>)")
+            s.add_argument("--detach", action="store_true", help="submit and return without following the logs")
+
+    add_run_args(sub.add_parser("run", help="submit a recipe as a Ray job; extra recipe flags after --"), False)
+    add_run_args(sub.add_parser("_driver", help=argparse.SUPPRESS), True)
+    add_address(sub.add_parser("status", help="nodes, placement groups and jobs"))
+    s = sub.add_parser("logs", help="a job's log (default: the latest job)")
+    add_address(s)
+    s.add_argument("--job_id", default=None)
+    s.add_argument("--follow", action="store_true")
+    s = sub.add_parser("stop", help="stop a job (default: the latest running job)")
+    add_address(s)
+    s.add_argument("--job_id", default=None)
+    s.add_argument("--wait_s", type=float, default=60)
+    s = sub.add_parser("down", help="stop every Ray process of this user on this machine")
+    s.add_argument("--force", action="store_true")
+    s = sub.add_parser("_reap", help=argparse.SUPPRESS)
+    s.add_argument("--parent", type=int, required=True)
+    s.add_argument("--grace_s", type=float, default=10)
+
+    args = p.parse_args(argv)
+    args.recipe_args = recipe_args
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.command == "_reap":
+        return reap(args.parent, args.recipe_args, args.grace_s)
+    if args.command == "_driver":
+        return drive(args)
+    return {"up": up, "run": run, "status": status, "logs": logs, "stop": stop, "down": down}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

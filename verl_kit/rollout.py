@@ -1,0 +1,141 @@
+"""Rollout: prompts in; response token ids, response mask and sampling log-probs out.
+
+A backend has two methods: `load_weights(actor)` (the weight-sync hook, called after every update) and
+`generate(prompts, params) -> Rollout`. The HF-generate backend below keeps a plain (unsharded, hook-free) copy of
+the policy on each process. Under ZeRO-3, calling generate on the training engine would all-gather every layer's
+parameters again at every generated token; here they are gathered once per update, parameter by parameter
+(`load_weights`), and generation then runs at plain-model speed. A vLLM backend plugs in behind the same two methods
+(load_weights pushes the gathered tensors into the engine instead of into a copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from verl_kit.errors import UserError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    max_new_tokens: int = 32
+    n: int = 1  # samples per prompt
+    ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+
+
+@dataclass
+class Rollout:
+    """B = len(prompts) * n responses; prompt i's samples are rows i*n .. i*n + n - 1.
+
+    prompt_ids         list of B token-id lists   the prompt of each response (unpadded, for packing)
+    response_ids       (B, R) long                sampled tokens, pad after the end (the EOS is kept)
+    response_mask      (B, R) bool                True on response tokens up to and including the EOS
+    sampling_logprobs  (B, R) float32             log-prob of each token under the sampling distribution
+                                                  (temperature, top-k, top-p applied), 0 outside the mask
+    truncated          (B,) bool                  no EOS within max_new_tokens
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    sampling_logprobs: torch.Tensor
+    truncated: torch.Tensor
+
+
+def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[list[int]]:
+    """Token ids of each row's `prompt` (a string, or chat messages rendered with the generation prompt); prompts
+    longer than max_prompt_length keep their last tokens."""
+    out = []
+    for row_no, row in enumerate(ds, start=1):
+        prompt = row.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        elif isinstance(prompt, str) and prompt.strip():
+            text = prompt
+        else:
+            raise UserError(f"{source} row {row_no}: field 'prompt' must be a non-empty string or chat messages")
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt_length:])
+    return out
+
+
+class _RecordSampling:
+    """Logits processor that applies temperature, top-k and top-p itself (generate is told to apply none) and keeps
+    the log-softmax of the result for one step, so the log-prob of each sampled token is read at the next step, or
+    after generation for the last one, without storing a (steps, B, V) tensor of scores."""
+
+    def __init__(self, params: SamplingParams, prompt_len: int):
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
+        warpers += [TopKLogitsWarper(params.top_k)] if params.top_k > 0 else []
+        warpers += [TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else []
+        self.warp = LogitsProcessorList(warpers)
+        self.prompt_len = prompt_len
+        self.last = None
+        self.logprobs: list[torch.Tensor] = []
+
+    def take(self, tokens: torch.Tensor) -> None:
+        self.logprobs.append(self.last.gather(-1, tokens[:, None]).squeeze(-1).float())
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.prompt_len:
+            self.take(input_ids[:, -1])
+        scores = self.warp(input_ids, scores)
+        self.last = scores.float().log_softmax(-1)
+        return scores
+
+
+class HFGenerateBackend:
+    """Generation with transformers' `generate` on a plain copy of the policy (see the module docstring)."""
+
+    def __init__(self, config, tokenizer, device, dtype: torch.dtype, unsharded=contextlib.nullcontext):
+        """`unsharded`: a context manager under which models are built unpartitioned (ZeRO-3 init switched off)."""
+        from transformers import AutoModelForCausalLM
+
+        with unsharded():
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        self.model.to(device).eval().requires_grad_(False)
+        self.tokenizer, self.device = tokenizer, device
+
+    @torch.no_grad()
+    def load_weights(self, actor) -> None:
+        """Weight sync: copy the (unwrapped) actor's parameters, gathered one at a time under ZeRO-3. Collective:
+        every process calls it, at the same point."""
+        from verl_kit.models import gathered_params
+
+        for name, p in actor.named_parameters():
+            with gathered_params(actor, [p]):
+                self.model.get_parameter(name).copy_(p.data)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
+        from transformers import GenerationConfig
+
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        prompts_n = [p for p in prompts for _ in range(params.n)]
+        P = max(len(p) for p in prompts_n)
+        input_ids = torch.full((len(prompts_n), P), pad, dtype=torch.long)
+        attention = torch.zeros((len(prompts_n), P), dtype=torch.long)
+        for i, p in enumerate(prompts_n):  # left padding: every response starts at column P
+            input_ids[i, P - len(p):] = torch.tensor(p)
+            attention[i, P - len(p):] = 1
+        record = _RecordSampling(params, P)
+        config = GenerationConfig(
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=params.max_new_tokens,
+            min_new_tokens=params.max_new_tokens if params.ignore_eos else 0, eos_token_id=eos, pad_token_id=pad,
+            repetition_penalty=1.0, use_cache=True)
+        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+                                  generation_config=config, logits_processor=[record])
+        response = out[:, P:].cpu()
+        record.take(out[:, -1])
+        logprobs = torch.stack(record.logprobs, 1).cpu()
+        is_eos = response == eos
+        ended = is_eos.long().cumsum(-1)
+        mask = (ended == 0) | (is_eos & (ended == 1))  # up to and including the first EOS
+        response = response.masked_fill(~mask, pad)
+        return Rollout(prompts_n, response, mask, logprobs.masked_fill(~mask, 0.0), ~is_eos.any(-1))
