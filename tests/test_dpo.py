@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from helpers import load_weights, metrics, recipe_cmd, run
+from helpers import REPO, load_weights, metrics, recipe_cmd, run
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,23 @@ def test_bad_input_damages_nothing_saved(tmp_path):
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == snapshot
     assert sorted(os.listdir(out)) == sorted(["checkpoint-2", "checkpoint-4", "curves.png", "final", "metrics.jsonl"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tracker, pattern", [("tensorboard", "**/events.out.tfevents.*"),
+                                              ("wandb", "wandb/offline-run-*")])
+def test_report_to_trackers(tmp_path, tracker, pattern):
+    out = tmp_path / "o"
+    run(recipe_cmd("dpo.py", ["--output_dir", str(out), "--max_steps", "2", "--logging_steps", "1",
+                              "--dataset_test_split", "none", "--report_to", tracker]),
+        WANDB_DIR=str(tmp_path), WANDB_MODE="offline")
+    where = out if tracker == "tensorboard" else tmp_path
+    assert list(where.glob(pattern)), sorted(p.name for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "recipes" / "configs").glob("dpo_*.yaml")))
+def test_shipped_configs_parse(config):
+    """Every shipped yaml names only known flags with valid types (--help exits 0 after the config is validated)."""
+    p = run(recipe_cmd("dpo.py", ["--config", str(REPO / "recipes" / "configs" / config), "--help"]), check=False)
+    assert p.returncode == 0, p.stderr[-1000:]
