@@ -115,10 +115,6 @@ def destroy() -> None:
         torch.distributed.destroy_process_group()
 
 
-def is_rank_zero() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def param_counts(model) -> tuple[int, int]:
     """(parameters held by this rank, parameters of the whole model). Under ZeRO-3 a parameter's local shard is
     `ds_tensor` and its full size `ds_numel`; otherwise every rank holds everything."""
