@@ -41,3 +41,66 @@ bench: install
 
 clean:
 	rm -rf outputs bench/results .pytest_cache
+
+# ---- Ray cluster runs (issue 6; walk-through in docs/cluster.md) --------------------------------------------------
+#   make cluster-up                                        local head: node and dashboard on 127.0.0.1:8265
+#   make cluster-up NODE_IP=10.0.0.1 DASHBOARD_HOST=0.0.0.0   head of a real cluster (then on every other node:)
+#   make cluster-up HEAD=10.0.0.1:6379 NODE_IP=10.0.0.2       join it
+#   make cluster-run RECIPE=recipes/dpo.py CONFIG=recipes/configs/dpo_tiny.yaml NODES=2 PROCS_PER_NODE=8 \
+#        ACCELERATE_CONFIG=accelerate_configs/zero3.yaml ARGS='--output_dir /shared/runs/dpo'
+#   make cluster-status | cluster-logs [JOB=id] | cluster-stop [JOB=id] | cluster-down
+# DASHBOARD is the head's job API (http://HEAD_IP:8265 from another machine); CLUSTER_ARGS adds `run` flags such as
+# --node_timeout_s 60 --detach; LAUNCH_ARGS adds `accelerate launch` flags (e.g. --cpu).
+NODES ?= 1
+PROCS_PER_NODE ?= 1
+ACCELERATE_CONFIG ?= accelerate_configs/zero3.yaml
+CONFIG ?=
+ARGS ?=
+LAUNCH_ARGS ?=
+CLUSTER_ARGS ?=
+NODE_IP ?= 127.0.0.1
+HEAD ?=
+DASHBOARD_HOST ?=
+UP_ARGS ?=
+DASHBOARD ?= http://127.0.0.1:8265
+JOB ?=
+CLUSTER := $(PY) -m verl_kit.cluster
+
+.PHONY: cluster-up cluster-run cluster-status cluster-logs cluster-stop cluster-down
+
+cluster-up: install
+	$(CLUSTER) up --node_ip $(NODE_IP) $(if $(HEAD),--address $(HEAD)) \
+		$(if $(DASHBOARD_HOST),--dashboard_host $(DASHBOARD_HOST)) $(UP_ARGS)
+
+cluster-run: install
+	$(CLUSTER) run --address $(DASHBOARD) --recipe $(RECIPE) $(if $(CONFIG),--config $(CONFIG)) \
+		--nodes $(NODES) --procs_per_node $(PROCS_PER_NODE) --accelerate_config $(ACCELERATE_CONFIG) \
+		--launch_args '$(LAUNCH_ARGS)' $(CLUSTER_ARGS) -- $(ARGS)
+
+cluster-status: install
+	$(CLUSTER) status --address $(DASHBOARD)
+
+cluster-logs: install
+	$(CLUSTER) logs --address $(DASHBOARD) $(if $(JOB),--job_id $(JOB)) --follow
+
+cluster-stop: install
+	$(CLUSTER) stop --address $(DASHBOARD) $(if $(JOB),--job_id $(JOB))
+
+cluster-down: install
+	$(CLUSTER) down
+# ---- end of Ray cluster runs ---------------------------------------------------------------------------------------
+
+# ---- vLLM server for rollouts (issue 5) ---------------------------------------------------------------------------
+#   make vllm-serve MODEL=tiny-llama                       OpenAI-compatible server on http://127.0.0.1:8000
+#   make vllm-serve MODEL=/path/to/model VLLM_PORT=8001 VLLM_ARGS='--dtype bfloat16 --gpu-memory-utilization 0.9'
+# then: python recipes/ppo.py --rollout vllm-server --vllm_server_url http://127.0.0.1:8000
+# Bound to 127.0.0.1, with the dev endpoints and worker extension the weight sync uses (verl_kit/weight_sync.py).
+MODEL ?= tiny-llama
+VLLM_PORT ?= 8000
+VLLM_ARGS ?=
+
+.PHONY: vllm-serve
+
+vllm-serve: install
+	$(PY) -m verl_kit.vllm_rollout serve --model $(MODEL) --port $(VLLM_PORT) $(VLLM_ARGS)
+# ---- end of vLLM server --------------------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ node (STRICT_SPREAD), starts `accelerate launch --machine_rank i --main_process_
 actor pinned to bundle i, streams every node's output as `[node i] ...`, and ends the whole job as soon as one node
 fails or stops answering for --node_timeout_s. The recipe never learns it runs on Ray.
 
-Nothing is left behind: each launch runs under a small reaper process (`_reap`) that is a child subreaper, so it still
-owns the training processes torchrun starts in their own sessions, and kills the whole tree when the launch ends, when
-it is told to stop, or when its actor dies (job stopped, driver killed, node's raylet gone). The placement group is
-removed in a `finally`, and Ray removes it anyway when the job's driver exits.
+Nothing is left behind: each launch runs under a small reaper process (`_reap`), detached from its actor and a child
+subreaper, so it still owns the training processes torchrun starts in their own sessions; it kills the whole tree
+when the launch ends, when it is told to stop, or when its actor dies (job stopped, driver killed, raylet gone).
+The placement group is removed in a `finally`, and Ray removes it anyway when the job's driver exits.
 """
 
 from __future__ import annotations
@@ -70,25 +70,56 @@ def _kill_tree(procs: list, grace_s: float) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+REAPER_TAG = "\x00verl-kit-reaper"  # prefix of the reaper's own lines to its agent: its pid, then the exit code
+
+
+def _say_to_agent(text: str) -> None:
+    try:
+        print(f"{REAPER_TAG} {text}", flush=True)
+    except (BrokenPipeError, OSError):  # the agent is gone; nobody reads our output any more
+        pass
+
+
 def reap(parent_pid: int, cmd: list[str], grace_s: float) -> int:
-    """Run `cmd`, exit with its code, and take every descendant down with it. As a child subreaper (Linux prctl 36)
-    this process inherits the training workers that torchrun starts with start_new_session, even if torchrun dies."""
+    """Run `cmd`, report its exit code, and take every descendant down with it.
+
+    The reaper detaches from its agent (double fork): Ray SIGKILLs a dead worker's direct children, which would kill
+    the reaper before it could clean up, while the launcher and its ranks live on. As a child subreaper (Linux prctl
+    36) it also inherits the training ranks that torchrun starts in their own sessions, even if torchrun dies. It
+    ends the tree when the launch ends, on SIGTERM (the agent's stop) and when the agent process disappears."""
     import ctypes
 
+    import psutil
+
+    parent = psutil.Process(parent_pid)
+    if os.fork() > 0:  # the agent's direct child exits at once; the grandchild carries on
+        os._exit(0)
+    os.setsid()
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a handler, not SIG_IGN: children must not inherit it
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    _say_to_agent(f"pid {os.getpid()}")
     child = subprocess.Popen(cmd)
-    while child.poll() is None and not stop.is_set() and os.getppid() == parent_pid:
+    while child.poll() is None and not stop.is_set() and parent.is_running():
         stop.wait(0.5)
     if child.poll() is None:
-        why = "stop requested" if stop.is_set() else f"its supervisor (pid {parent_pid}) is gone"
-        print(f"[reaper] {why}: terminating the launch and its workers", flush=True)
-        _kill_tree([*_descendants(os.getpid())], grace_s)
-    _kill_tree(_descendants(os.getpid()), grace_s)  # workers orphaned by a crashed launcher
+        why = "stop requested" if stop.is_set() else f"its agent (pid {parent_pid}) is gone"
+        try:
+            print(f"[reaper] {why}: terminating the launch and its workers", flush=True)
+        except (BrokenPipeError, OSError):
+            pass
+        child.terminate()  # through Popen, not psutil: psutil would reap it and lose its exit code
+        _kill_tree([p for p in _descendants(os.getpid()) if p.pid != child.pid], grace_s)
+        try:
+            child.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
     rc = child.wait()
-    return rc if rc >= 0 else 128 - rc
+    _kill_tree(_descendants(os.getpid()), grace_s)  # ranks orphaned by a crashed launcher
+    rc = rc if rc >= 0 else 128 - rc
+    _say_to_agent(f"exit {rc}")
+    return rc
 
 
 class NodeAgent:
@@ -96,7 +127,8 @@ class NodeAgent:
 
     def __init__(self, rank: int):
         self.rank = rank
-        self.proc: subprocess.Popen | None = None
+        self.reaper_pid: int | None = None
+        self.rc: int | None = None
         self.lines: list[str] = []
         self.lock = threading.Lock()
         self.reader: threading.Thread | None = None
@@ -116,42 +148,58 @@ class NodeAgent:
             return s.getsockname()[1]
 
     def start(self, cmd: list[str], env: dict, grace_s: float) -> int:
-        full_env = {**os.environ, **env}
+        """Start the reaper (which starts `cmd`); returns the reaper's pid."""
         reaper = [sys.executable, "-m", "verl_kit.cluster", "_reap", "--parent", str(os.getpid()),
                   "--grace_s", str(grace_s), "--", *cmd]
-        self.proc = subprocess.Popen(reaper, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self.reader = threading.Thread(target=self._read, daemon=True)
+        proc = subprocess.Popen(reaper, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc.wait()  # the first fork returns at once
+        first = proc.stdout.readline().decode(errors="replace")
+        if not first.startswith(f"{REAPER_TAG} pid "):
+            raise RuntimeError(f"node {self.rank}: the launch did not start: {first.strip()}")
+        self.reaper_pid = int(first.split()[-1])
+        self.reader = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
         self.reader.start()
-        return self.proc.pid
+        return self.reaper_pid
 
-    def _read(self) -> None:
-        for raw in self.proc.stdout:
+    def _read(self, stream) -> None:
+        for raw in stream:
             # progress bars redraw with \r: keep the last state of the line
             line = raw.decode(errors="replace").rstrip("\r\n").split("\r")[-1]
+            if line.startswith(f"{REAPER_TAG} exit "):
+                self.rc = int(line.split()[-1])
+                continue
             with self.lock:
                 self.lines.append(line)
+        if self.rc is None:
+            self.rc = 137
+            with self.lock:
+                self.lines.append("[reaper] ended without an exit code (killed?)")
 
     def poll(self) -> tuple[list[str], int | None]:
         """New output lines and the exit code (None while running; set once all output was read)."""
-        with self.lock:
+        done = self.reader is not None and not self.reader.is_alive()
+        with self.lock:  # after the check: once the reader is done, its last lines are already here
             lines, self.lines = self.lines, []
-        done = self.proc is not None and self.proc.poll() is not None and not self.reader.is_alive()
-        return lines, (self.proc.returncode if done else None)
+        return lines, (self.rc if done else None)
 
     def stop(self, grace_s: float) -> int | None:
         """Ask the reaper to end the launch; kill the whole tree if it has not after grace_s."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        tree = [*_descendants(self.proc.pid)]
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s + 5)
-        except subprocess.TimeoutExpired:
-            import psutil
+        import psutil
 
-            _kill_tree([psutil.Process(self.proc.pid), *tree], 1)
-        return self.proc.wait()
+        if self.reader is None or not self.reader.is_alive():
+            return self.rc
+        try:
+            reaper = psutil.Process(self.reaper_pid)
+            tree = [reaper, *reaper.children(recursive=True)]
+            reaper.terminate()
+        except psutil.NoSuchProcess:
+            tree = []
+        self.reader.join(grace_s + 5)
+        if self.reader.is_alive():
+            _kill_tree(tree, 1)
+            self.reader.join(5)
+        return self.rc
 
 
 # ---- head side: the job driver ---------------------------------------------------------------------------------
@@ -195,6 +243,7 @@ def drive(args) -> int:
         gpus = args.procs_per_node if ray.cluster_resources().get("GPU", 0) > 0 else 0
     bundle = {"CPU": args.cpus_per_node, **({"GPU": gpus} if gpus else {})}
     pg, agents, infos = None, [], []
+    lost: set[int] = set()  # nodes that cannot be asked to stop: their actor died or stopped answering
     try:
         pg = placement_group([bundle] * args.nodes, strategy="STRICT_SPREAD", name=f"verl-kit-{os.getpid()}")
         try:
@@ -215,19 +264,26 @@ def drive(args) -> int:
         ds_standard = args.nodes > 1 and _uses_deepspeed(args.accelerate_config)
         for i, (agent, info) in enumerate(zip(agents, infos)):
             env = {"PYTHONUNBUFFERED": "1", "VERL_KIT_NO_BAR": os.environ.get("VERL_KIT_NO_BAR", "1")}
-            if info["ifname"]:  # the interface that carries this node's Ray address, unless the user chose one
-                for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-                    env[var] = os.environ.get(var) or info["ifname"]
+            # Sockets go over the interface that carries this node's Ray address unless the user chose one; a
+            # loopback choice (fine for one-node tests) cannot reach other nodes, so it yields too.
+            chosen = []
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                value = os.environ.get(var)
+                if info["ifname"] and (not value or (value == "lo" and args.nodes > 1)):
+                    env[var] = value = info["ifname"]
+                chosen.append(str(value))
             cmd = launch_command(args, i, main_ip, port, ds_standard)
-            say(f"node {i}: {info['host']} {info['ip']} ({info['ifname']}): {shlex.join(cmd[1:])}")
+            say(f"node {i}: {info['host']} {info['ip']} (GLOO/NCCL_SOCKET_IFNAME={'/'.join(chosen)}): "
+                f"{shlex.join(cmd[1:])}")
             ray.get(agent.start.remote(cmd, env, args.stop_grace_s), timeout=60)
 
-        codes: dict[int, int] = {}
-        failures: list[str] = []
+        failed: dict[int, str] = {}  # node -> why, in the order seen
+        done: set[int] = set()
         tails = [collections.deque(maxlen=args.error_lines) for _ in agents]
         last_seen = [time.monotonic()] * len(agents)
-        while len(codes) < len(agents) and not failures:
-            live = [i for i in range(len(agents)) if i not in codes]
+        settle_until = None  # after the first failure, a second to hear from peers that fail with it
+        while len(done) < len(agents) and (settle_until is None or time.monotonic() < settle_until):
+            live = [i for i in range(len(agents)) if i not in done]
             refs = {agents[i].poll.remote(): i for i in live}
             ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=args.node_timeout_s)
             now = time.monotonic()
@@ -236,35 +292,40 @@ def drive(args) -> int:
                 try:
                     lines, rc = ray.get(ref)
                 except RayActorError as e:
-                    failures.append(f"node {i} ({infos[i]['ip']}) lost: its Ray actor died "
-                                    f"({type(e).__name__}: {str(e).splitlines()[0]})")
+                    done.add(i)
+                    lost.add(i)
+                    failed[i] = (f"node {i} ({infos[i]['ip']}) lost: its Ray actor died "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0]})")
                     continue
                 last_seen[i] = now
                 for line in lines:
                     print(f"[node {i}] {line}", flush=True)
                     tails[i].append(line)
                 if rc is not None:
-                    codes[i] = rc
+                    done.add(i)
                     if rc != 0:
-                        failures.append(f"node {i} ({infos[i]['ip']}) failed with exit code {rc}")
+                        failed[i] = f"node {i} ({infos[i]['ip']}) failed with exit code {rc}"
             for i in live:
-                if now - last_seen[i] >= args.node_timeout_s:
-                    failures.append(f"node {i} ({infos[i]['ip']}) did not answer for {args.node_timeout_s:.0f}s "
-                                    "(node lost or unreachable)")
-            if not failures:
-                time.sleep(args.poll_s)
-        if not failures:
+                if i not in done and now - last_seen[i] >= args.node_timeout_s:
+                    done.add(i)
+                    lost.add(i)
+                    failed[i] = (f"node {i} ({infos[i]['ip']}) did not answer for {args.node_timeout_s:.0f}s "
+                                 "(node lost or unreachable)")
+            if failed and settle_until is None:
+                settle_until = now + 1.0
+            time.sleep(args.poll_s)
+        if not failed:
             say(f"all {len(agents)} nodes finished")
             return 0
-        say("error: " + "; ".join(failures) + "; stopping the other nodes")
-        for i, tail in enumerate(tails):
-            if any(f.startswith(f"node {i} ") for f in failures) and tail:
-                say(f"last {len(tail)} lines of node {i}:")
-                for line in tail:
+        for i in failed:
+            if tails[i]:
+                say(f"last {len(tails[i])} lines of node {i}:")
+                for line in tails[i]:
                     print(f"[node {i}] {line}", flush=True)
+        say("error: " + "; ".join(failed.values()) + ("; stopping the other nodes" if len(done) < len(agents) else ""))
         return 1
     finally:
-        stops = [a.stop.remote(args.stop_grace_s) for a in agents]
+        stops = [a.stop.remote(args.stop_grace_s) for i, a in enumerate(agents) if i not in lost]
         if stops:
             ray.wait(stops, num_returns=len(stops), timeout=args.stop_grace_s + 10)
         for a in agents:
@@ -329,7 +390,13 @@ def _output_dir(args) -> str:
 def _client(address: str):
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(address)
+    try:
+        return JobSubmissionClient(address)
+    except ConnectionError as e:
+        why = str(e).splitlines()[0][:200]
+        raise SystemExit(f"error: cannot reach the Ray job API at {address} ({why}); is the cluster up "
+                         "(make cluster-up)? From another machine pass DASHBOARD=http://HEAD_IP:8265") from None
+
 
 
 def _latest_job(client, running_only: bool = False) -> str:
@@ -393,6 +460,7 @@ def run(args) -> int:
 def status(args) -> int:
     from ray.util.state import list_nodes, list_placement_groups
 
+    client = _client(args.address)
     nodes = list_nodes(address=args.address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
     print(f"nodes: {len(nodes)} alive")
     for n in nodes:
@@ -402,7 +470,7 @@ def status(args) -> int:
            if p.state != "REMOVED"]
     print(f"placement groups: {len(pgs)} not removed" + "".join(f"\n  {p.placement_group_id} {p.name} {p.state}"
                                                                  for p in pgs))
-    jobs = sorted(_client(args.address).list_jobs(), key=lambda j: j.start_time or 0)
+    jobs = sorted(client.list_jobs(), key=lambda j: j.start_time or 0)
     print(f"jobs: {len(jobs)}" + "".join(f"\n  {j.submission_id} {j.status.value}" for j in jobs))
     return 0
 
