@@ -105,7 +105,8 @@ def main():
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
     if start == 0:
         local, total = param_counts(model)
-        log.log(0, {"params/total": total, "params/local": local, "pairs/train": len(train), "pairs/test": len(test)})
+        log.log(0, {"world_size": world, "params/total": total, "params/local": local, "pairs/train": len(train),
+                    "pairs/test": len(test)})
         if test:
             evaluate(0)
 

@@ -14,8 +14,21 @@ pytestmark = pytest.mark.slow
 COMMON = ["--max_steps", "3", "--logging_steps", "1", "--dataset_test_split", "none", "--seed", "3"]
 
 
-def losses(out) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in metrics(out) if "loss" in r}
+def losses(out, key="loss") -> dict[int, float]:
+    return {r["step"]: r[key] for r in metrics(out) if key in r}
+
+
+def assert_matches_single(out, single_run, nproc, later_tol=1e-3):
+    """Step 1 is computed at the initial weights, where the DPO loss is log 2 for any batch (policy == reference),
+    so the step-0 check that can fail is the gradient norm of the whole global batch; later losses follow the
+    updates."""
+    assert metrics(out)[0]["world_size"] == nproc
+    single = losses(single_run)
+    assert abs(losses(out)[1] - single[1]) < 1e-4
+    g, g1 = losses(out, "grad_norm")[1], losses(single_run, "grad_norm")[1]
+    assert abs(g - g1) < 1e-4 * max(1.0, g1), (g, g1)
+    for step in (2, 3):
+        assert abs(losses(out)[step] - single[step]) < later_tol, (losses(out), single)
 
 
 @pytest.fixture(scope="module")
@@ -31,26 +44,22 @@ def test_zero3_two_processes_shards_and_matches_single_process(tmp_path, single_
                    ["--output_dir", str(out), "--per_device_train_batch_size", "4", *COMMON]), timeout=600)
     head = metrics(out)[0]
     assert head["params/local"] <= 0.55 * head["params/total"]  # really sharded: each rank holds about half
-    single, zero3 = losses(single_run), losses(out)
-    assert abs(zero3[1] - single[1]) < 1e-4, (zero3, single)  # step-0 loss: same weights, same 8 pairs
-    for step in (2, 3):  # after updates too: gradients are reduced as one process would compute them
-        assert abs(zero3[step] - single[step]) < 1e-3, (zero3, single)
+    assert_matches_single(out, single_run, 2)
     exported = load_weights(out / "final")  # ZeRO-3 shards gathered into one HF checkpoint
     assert sum(t.numel() for t in exported.values()) == head["params/total"]
 
 
 def test_token_budget_microbatches_match(tmp_path, single_run):
-    """Token-budget micro-batches (several backward passes per step) give the same step-0 loss."""
+    """Token-budget micro-batches (several backward passes per step) give the same gradients and losses."""
     out = tmp_path / "budget"
     run(recipe_cmd("dpo.py", ["--output_dir", str(out), "--per_device_train_batch_size", "8",
                               "--max_tokens_per_microbatch", "120", *COMMON]))
-    assert abs(losses(out)[1] - losses(single_run)[1]) < 1e-5
-    assert abs(losses(out)[3] - losses(single_run)[3]) < 1e-4
+    assert_matches_single(out, single_run, 1, later_tol=1e-4)
 
 
 @pytest.mark.parametrize("config, extra", [
-    ("single.yaml", ["--cpu"]),
-    ("ddp.yaml", ["--cpu"]),
+    ("single.yaml", []),
+    ("ddp.yaml", []),
     ("zero2.yaml", []),
     ("zero3_offload.yaml", []),
 ])
@@ -60,7 +69,7 @@ def test_accelerate_config_runs(tmp_path, config, extra, single_run):
     run(launch_cmd(config, nproc, "dpo.py",
                    ["--output_dir", str(out), "--per_device_train_batch_size", str(8 // nproc), *COMMON],
                    extra=extra), timeout=600)
-    assert abs(losses(out)[1] - losses(single_run)[1]) < 1e-4
+    assert_matches_single(out, single_run, nproc)
     assert (out / "final" / "model.safetensors").exists()
 
 

@@ -41,7 +41,9 @@ class TrainConfig:
     max_length: int = field(default=512, metadata={"help": "max tokens of prompt + completion"})
     max_prompt_length: int = field(default=256, metadata={"help": "prompts longer than this keep their last tokens"})
     packing: bool = field(default=True, metadata={"help": "pack sequences padding-free into rows"})
-    packing_length: int = field(default=1024, metadata={"help": "tokens per packed row"})
+    packing_length: int = field(default=512, metadata={
+        "help": "tokens per packed row; on CPU (dense block mask) attention cost grows with it, so keep it near "
+                "max_length; with flash-attention varlen on GPU longer rows are free"})
     max_tokens_per_microbatch: int | None = field(default=None, metadata={
         "help": "token budget per forward pass; splits each step's examples by tokens instead of by count"})
     gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in backward"})

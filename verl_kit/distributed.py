@@ -24,13 +24,21 @@ def make_accelerator(cfg, project_name: str = "verl-kit"):
     bf16 = cuda if cfg.bf16 is None else cfg.bf16
     pg = InitProcessGroupKwargs(backend="nccl" if cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     accelerator = Accelerator(
+        # Without CUDA, accelerate only picks its multi-process CPU mode (gloo DDP) when told `cpu`; otherwise a
+        # MULTI_GPU config silently runs N independent single processes.
+        cpu=not cuda and world > 1 and not deepspeed,
         mixed_precision="bf16" if bf16 else "no",
         gradient_accumulation_steps=1,
-        kwargs_handlers=[pg] if int(os.environ.get("WORLD_SIZE", "1")) > 1 else [],
+        kwargs_handlers=[pg] if world > 1 else [],
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
     )
+    if world > 1 and accelerator.num_processes == 1 or world > 1 and accelerator.distributed_type.value == "NO":
+        raise RuntimeError(f"launched with WORLD_SIZE={world} but accelerate set up no distributed backend "
+                           f"({accelerator.distributed_type}); check the accelerate config")
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:  # fill the "auto" fields that accelerate would take from a dataloader
         ds = plugin.deepspeed_config
@@ -69,6 +77,16 @@ def all_reduce_sum(accelerator, values: list[float]) -> list[float]:
     if accelerator.num_processes > 1:
         torch.distributed.all_reduce(t)
     return t.tolist()
+
+
+def all_gather(accelerator, t: torch.Tensor) -> torch.Tensor:
+    """Concatenate equally shaped tensors from all processes along dim 0, in rank order."""
+    if accelerator.num_processes == 1:
+        return t
+    t = t.to(accelerator.device).contiguous()
+    parts = [torch.empty_like(t) for _ in range(accelerator.num_processes)]
+    torch.distributed.all_gather(parts, t)
+    return torch.cat(parts)
 
 
 def all_reduce_max(accelerator, value: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_kit.distributed import shard, unshard
+from verl_kit.distributed import all_gather, shard, unshard
 from verl_kit.packing import TokenBatch, forward_logits, layout, sequence_logprobs
 
 Sequences = tuple[list[list[int]], list[list[bool]]]  # token ids and loss masks of an example's k sequences
@@ -39,6 +39,6 @@ def score_items(accelerator, model, items: list[Sequences], cfg, pad_id: int, bl
         batch = make_batch(chunk, cfg, pad_id, block_mask).to(accelerator.device)
         out.append(sequence_logprobs(forward_logits(model, batch), batch).float().view(len(chunk), k))
     local = torch.cat(out)
-    gathered = accelerator.gather(local) if accelerator.num_processes > 1 else local
+    gathered = all_gather(accelerator, local)
     model.train(was_training)
     return unshard(gathered.cpu(), len(items), accelerator.num_processes)
