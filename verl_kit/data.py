@@ -180,7 +180,7 @@ def unpaired_examples(ds, tokenizer, max_prompt_length: int | None, max_length: 
     A paired preference dataset (prompt?, chosen, rejected) is converted when `unpair` is set, as TRL's
     `unpair_preference_dataset` does: row i becomes examples 2i (chosen, desirable) and 2i+1 (rejected, undesirable)."""
     rows = list(ds)
-    paired = "completion" not in rows[0] and "chosen" in rows[0] and "rejected" in rows[0]
+    paired = "completion" not in rows[0] and ("chosen" in rows[0] or "rejected" in rows[0])
     if paired and not unpair:
         raise UserError(f"{source}: a paired preference dataset (chosen/rejected); pass --unpair_preference_dataset "
                         "true to use chosen as desirable and rejected as undesirable")
@@ -222,7 +222,8 @@ def mismatched_partners(prompts: list[list[int]], seed: int) -> list[int]:
 
     n = len(prompts)
     if n < 2:
-        raise UserError(f"KTO needs at least 2 training examples to pair prompts with other completions, got {n}")
+        raise UserError(f"KTO's KL estimate pairs each prompt with another example's completion: a split needs at "
+                        f"least 2 examples, got {n}")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     partner = [0] * n
     for k, i in enumerate(order):

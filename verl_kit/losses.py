@@ -37,7 +37,7 @@ def implicit_rewards(policy_logps: torch.Tensor, ref_logps: torch.Tensor, beta: 
 
 def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor, beta: float,
              desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> torch.Tensor:
-    """Per-example KTO loss, shape (B,) (Ethayarajh et al. 2024, eq. 7-8). With r = log pi(y|x) - log ref(y|x) and
+    """Per-example KTO loss, shape (B,) (Ethayarajh et al. 2024, eq. 7). With r = log pi(y|x) - log ref(y|x) and
     the reference point z0 = `kl` (a detached scalar, see kl_reference_point):
 
         desirable (label True):    lambda_D * (1 - sigma(beta * (r - z0)))
