@@ -23,8 +23,11 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -c "import torch, vllm, deepspeed, ray, trl, verl_kit; print('verl-kit', verl_kit.__version__, 'installed')"
 	touch $@
 
+DEMO ?= recipes/ppo.py
+
+# The main job on the embedded default: PPO; `make demo DEMO=recipes/dpo.py` (or kto.py) for the others.
 demo: install
-	$(PY) $(RECIPE) --output_dir outputs/demo
+	$(PY) $(DEMO) --config recipes/configs/$(basename $(notdir $(DEMO)))_tiny.yaml --output_dir outputs/demo
 
 # Multi-process tests bind to 127.0.0.1 and use gloo over loopback.
 test: install

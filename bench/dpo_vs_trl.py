@@ -162,7 +162,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds (each: ours padded, TRL, ours packed)")
     p.add_argument("--batch_size", type=int, default=4, help="preference pairs per device per step (both sides)")
     p.add_argument("--gradient_checkpointing", type=lambda s: s.lower() == "true", default=False)
-    p.add_argument("--packing_length", type=int, default=1024, help="ours' packed row length (recipe default 1024)")
+    p.add_argument("--packing_length", type=int, default=512, help="ours' packed row length (recipe default 512)")
     p.add_argument("--skip_state_bytes", action="store_true")
     p.add_argument("--run_timeout_s", type=float, default=300)
     args = p.parse_args(argv)

@@ -13,15 +13,14 @@ optimizer)` call with the same DeepSpeed plugin. Why this and not the alternativ
   - accelerate's multiple DeepSpeed plugins let each model have its own DeepSpeed config, which is not needed here
     (the same ZeRO stage for both) and adds a `select_deepspeed_plugin` call before every use.
 With two prepare calls, accelerate's save_state/load_state already checkpoint every prepared engine (pytorch_model,
-pytorch_model_1) with its optimizer. One catch, measured on accelerate 1.15: `accelerator.backward` routes every loss
-to the engine prepared first, so Trainable drives each engine through DeepSpeed's public backward/step instead.
+pytorch_model_1) with its optimizer. One catch (accelerate 1.15, Accelerator.backward): every loss goes to the engine
+prepared first, so Trainable drives each engine through DeepSpeed's public backward/step instead.
 Frozen models are sharded with ZeRO-3 too (inference engines without optimizer, as TRL's prepare_deepspeed does), so
 the reference and reward models cost 1/world of their size per process.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -46,7 +45,14 @@ class CriticModel(nn.Module):
         from transformers import AutoModel, AutoModelForSequenceClassification
 
         if init == "policy":
-            backbone = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+            from transformers.utils import logging as hf_logging
+
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # the load report would flag the dropped lm_head as "UNEXPECTED"
+            try:
+                backbone = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+            finally:
+                hf_logging.set_verbosity(verbosity)
             head = nn.Linear(backbone.config.hidden_size, 1, bias=True)
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
@@ -79,14 +85,9 @@ def frozen(accelerator, loader):
         model = loader()
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=config)
-        return engine.eval()
+        engine.eval()  # DeepSpeedEngine.eval() returns None
+        return engine
     return loader().to(accelerator.device).requires_grad_(False).eval()
-
-
-def unsharded(accelerator):
-    """Context manager under which transformers builds models whole, not as ZeRO-3 shards."""
-    plugin = accelerator.state.deepspeed_plugin
-    return (lambda: plugin.zero3_init_context_manager(enable=False)) if plugin is not None else contextlib.nullcontext
 
 
 class Trainable:

@@ -62,7 +62,8 @@ class TrainConfig:
 
 
 _CHOICES = {"report_to": ("none", "wandb", "tensorboard"),
-            "attn_implementation": (None, "sdpa", "eager", "flash_attention_2")}
+            "attn_implementation": (None, "sdpa", "eager", "flash_attention_2"),
+            "rollout": ("hf", "vllm", "vllm-server")}
 
 
 def _check_type(name: str, value, annotation) -> None:

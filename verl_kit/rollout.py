@@ -4,13 +4,15 @@ A backend has two methods: `load_weights(actor)` (the weight-sync hook, called a
 `generate(prompts, params) -> Rollout`. The HF-generate backend below keeps a plain (unsharded, hook-free) copy of
 the policy on each process. Under ZeRO-3, calling generate on the training engine would all-gather every layer's
 parameters again at every generated token; here they are gathered once per update, parameter by parameter
-(`load_weights`), and generation then runs at plain-model speed. A vLLM backend plugs in behind the same two methods
-(load_weights pushes the gathered tensors into the engine instead of into a copy).
+(`load_weights`), and generation then runs at plain-model speed. Measured (2 processes, ZeRO-3, CPU/gloo, 32 samples x
+32 new tokens, EOS ignored): the ~20M-parameter bench Llama takes 13.3 s to generate on the engine against 0.25 s of
+weight sync + 3.1 s of generation on the copy (4.0x); the 0.7M-parameter tiny model 1.23 s against 0.02 + 0.57 s (2.1x).
+The price is one unsharded copy of the policy per process (in bf16 on GPU). A vLLM backend plugs in behind the same
+two methods (load_weights pushes the gathered tensors into the engine instead of into a copy).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,8 @@ class SamplingParams:
     max_new_tokens: int = 32
     n: int = 1  # samples per prompt
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+    seed: int | None = None  # per-request sampling seed (vLLM backends)
+    stop: list[str] | None = None  # stop strings (vLLM backends; HF generate stops on EOS)
 
 
 @dataclass
@@ -93,14 +97,13 @@ class _RecordSampling:
 class HFGenerateBackend:
     """Generation with transformers' `generate` on a plain copy of the policy (see the module docstring)."""
 
-    def __init__(self, config, tokenizer, device, dtype: torch.dtype, unsharded=contextlib.nullcontext):
-        """`unsharded`: a context manager under which models are built unpartitioned (ZeRO-3 init switched off)."""
-        from transformers import AutoModelForCausalLM
-
-        with unsharded():
-            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        self.model.to(device).eval().requires_grad_(False)
+    def __init__(self, actor, tokenizer, device, dtype: torch.dtype):
+        """`actor`: the unwrapped policy. Its class is called directly on its config: from_config/from_pretrained
+        would build ZeRO-3 shards whenever a ZeRO-3 config is registered with transformers."""
+        self.model = type(actor)(actor.config).to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.model.config.use_cache = True
         self.tokenizer, self.device = tokenizer, device
+        self.load_weights(actor)
 
     @torch.no_grad()
     def load_weights(self, actor) -> None:

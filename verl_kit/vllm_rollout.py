@@ -1,0 +1,467 @@
+"""vLLM rollout backends behind the interface of verl_kit.rollout (`load_weights(actor)`, `generate(prompts, params)`).
+
+VLLMColocated   a `vllm.LLM` engine inside each training process (its engine core runs in a child process; the
+                script that builds it needs an `if __name__ == "__main__":` guard).
+VLLMServer      a client of an OpenAI-compatible vLLM server (`make vllm-serve MODEL=...`, or `start_server` for a
+                run): health check with a connect timeout, retries with backoff on transient errors, a clear error
+                instead of a hang when the server goes away.
+
+Both return response token ids and the log-probs of the sampled tokens under the sampling distribution (the engine
+runs with logprobs_mode=processed_logprobs: temperature, top-k and top-p applied, like the HF backend), and
+`load_weights` pushes the gathered actor into the engine (verl_kit.weight_sync), then checks it with a probe batch
+and returns the sync metrics, `rollout/logprob_max_abs_diff` among them.
+
+Memory: on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB (`kv_cache_gib`). To fit trainer and engine on one GPU,
+give the engine a small `gpu_memory_utilization` (its weights + KV cache, e.g. 0.3 for a 7B bf16 policy on 80 GB)
+and `enable_sleep_mode`: the KV cache and weights are released after each rollout and restored before the next, so
+the ZeRO-3 update gets the memory back (vLLM on CPU does not support sleep mode; it is ignored there).
+
+    python -m verl_kit.vllm_rollout serve --model tiny-llama --port 8000     # what `make vllm-serve` runs
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from verl_kit.errors import UserError
+from verl_kit.rollout import Rollout, SamplingParams
+from verl_kit.weight_sync import (
+    WORKER_EXTENSION,
+    all_reduce_max,
+    check_probe,
+    max_abs_diff,
+    sync_weights,
+    trainer_logprobs,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def _cpu_env(kv_cache_gib: float) -> None:
+    """vLLM's CPU settings are environment variables, read when the engine starts."""
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
+
+def vllm_sampling(params: SamplingParams):
+    """verl_kit SamplingParams -> vllm.SamplingParams, asking for the sampled token's log-prob."""
+    import vllm
+
+    return vllm.SamplingParams(
+        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+        max_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos, seed=params.seed,
+        stop=params.stop, logprobs=0)
+
+
+def to_rollout(prompts_n: list[list[int]], completions: list[tuple[list[int], list[float], bool]], pad: int) -> Rollout:
+    """(token ids, sampled-token log-probs, truncated) per response -> Rollout. The engine stops at (and keeps) the
+    EOS, so every returned token is a response token."""
+    R = max(1, max(len(ids) for ids, _, _ in completions))
+    B = len(completions)
+    response = torch.full((B, R), pad, dtype=torch.long)
+    mask = torch.zeros((B, R), dtype=torch.bool)
+    logprobs = torch.zeros((B, R), dtype=torch.float32)
+    truncated = torch.zeros(B, dtype=torch.bool)
+    for i, (ids, lps, trunc) in enumerate(completions):
+        if len(ids) != len(lps):
+            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} log-probs")
+        response[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask[i, :len(ids)] = True
+        logprobs[i, :len(ids)] = torch.tensor(lps, dtype=torch.float32)
+        truncated[i] = trunc
+    return Rollout(prompts_n, response, mask, logprobs, truncated)
+
+
+class _Checked:
+    """Shared by both backends: weight sync into the engine, then the probe."""
+
+    probe_prompts: list[list[int]]
+    probe_threshold: float
+    bucket_mb: float
+    sync_timeout_s: float
+
+    def _push(self, blob: str, seconds: float) -> None:
+        raise NotImplementedError
+
+    def _commit(self, seconds: float) -> None:
+        raise NotImplementedError
+
+    def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    @property
+    def pushes(self) -> bool:
+        return True
+
+    def load_weights(self, actor) -> dict:
+        """Weight sync + probe. Collective: every training process calls it at the same point, after each update.
+        Returns weight_sync/* metrics and rollout/logprob_max_abs_diff; raises RuntimeError above the threshold."""
+        metrics = sync_weights(actor, self._push if self.pushes else None, self._commit if self.pushes else None,
+                               self.bucket_mb, self.sync_timeout_s)
+        if self.probe_prompts:
+            device = next(actor.parameters()).device
+            trainer = trainer_logprobs(actor, self.probe_prompts, device)
+            diff = max_abs_diff(self.score(self.probe_prompts), trainer) if self.pushes else 0.0
+            diff = all_reduce_max(diff)
+            metrics["rollout/logprob_max_abs_diff"] = diff
+            check_probe(diff, self.probe_threshold)
+        return metrics
+
+
+class VLLMColocated(_Checked):
+    """A vllm.LLM engine in this process (one per training process; with tensor_parallel_size > 1 it spans that many
+    devices). The weights start from `model_path`; call load_weights(actor) before the first rollout and after every
+    update."""
+
+    def __init__(self, model_path: str, tokenizer, *, dtype: str = "auto", tensor_parallel_size: int = 1,
+                 max_num_seqs: int = 256, max_model_len: int | None = None, gpu_memory_utilization: float = 0.3,
+                 enable_sleep_mode: bool = False, kv_cache_gib: int = 1, seed: int = 0, bucket_mb: float = 256,
+                 sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
+                 probe_threshold: float = 1.0, enforce_eager: bool | None = None):
+        import vllm
+
+        gpu = _on_gpu()
+        if not gpu:
+            _cpu_env(kv_cache_gib)
+        self.sleep = enable_sleep_mode and gpu
+        if enable_sleep_mode and not gpu:
+            logger.warning("vLLM sleep mode is not supported on CPU: ignored")
+        kwargs = dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep) if gpu else {}
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if gpu and world > 1:
+            # One engine per training process on that process's GPU (TRL's colocate layout). Not run in CI.
+            if tensor_parallel_size > 1:
+                raise UserError("--vllm_tensor_parallel_size > 1 with a colocated engine needs one training process "
+                                "(several processes: use --rollout vllm-server)")
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype,
+                            tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
+                            max_model_len=max_model_len, seed=seed, worker_extension_cls=WORKER_EXTENSION,
+                            logprobs_mode="processed_logprobs", enforce_eager=not gpu if enforce_eager is None
+                            else enforce_eager, **kwargs)
+        self.tokenizer = tokenizer
+        self.bucket_mb, self.sync_timeout_s = bucket_mb, sync_timeout_s
+        self.probe_prompts, self.probe_threshold = probe_prompts or [], probe_threshold
+
+    def _push(self, blob: str, seconds: float) -> None:
+        self.llm.collective_rpc("verl_kit_stage", timeout=seconds, args=(blob,))
+
+    def _commit(self, seconds: float) -> None:
+        if self.sleep:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("verl_kit_commit", timeout=seconds)
+        self.llm.reset_prefix_cache()
+
+    def _run(self, seqs: list[list[int]], sampling):
+        """Generate, waking a sleeping engine for the call and putting it back to sleep (level 1: weights to host
+        memory, KV cache dropped) so the training step that follows has the GPU memory."""
+        if self.sleep:
+            self.llm.wake_up()
+        outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], sampling, use_tqdm=False)
+        if self.sleep:
+            self.llm.sleep(level=1)
+        return outs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
+        outs = self._run(prompts, vllm_sampling(params))
+        completions = [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                        c.finish_reason == "length") for o in outs for c in o.outputs]
+        prompts_n = [p for p in prompts for _ in range(params.n)]
+        return to_rollout(prompts_n, completions, self.tokenizer.pad_token_id)
+
+    def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        """Engine log-probs of seqs[i][1:] given their prefixes (prompt log-probs, raw logits)."""
+        import vllm
+
+        outs = self._run(seqs, vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0))
+        return [torch.tensor([lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])]) for s, o in
+                zip(seqs, outs)]
+
+    def close(self) -> None:
+        """Stop the engine's child processes now (they also stop when this process exits)."""
+        import gc
+
+        if hasattr(self, "llm"):
+            del self.llm  # the engine client's finalizer stops the engine core and its workers
+            gc.collect()
+
+
+# ---- server ------------------------------------------------------------------------------------------------------
+
+class _Transient(Exception):
+    pass
+
+
+class VLLMServer(_Checked):
+    """Client of an OpenAI-compatible vLLM server. Weight sync needs a server started by this module (or `make
+    vllm-serve`): VLLM_SERVER_DEV_MODE=1 and the verl_kit worker extension. `pushes`: False on training processes
+    other than the one that syncs the weights (they still join the ZeRO-3 gathers)."""
+
+    def __init__(self, base_url: str, tokenizer, *, model: str | None = None, connect_timeout_s: float = 10,
+                 request_timeout_s: float = 600, max_retries: int = 4, backoff_s: float = 0.5,
+                 bucket_mb: float = 64, sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
+                 probe_threshold: float = 1.0, pushes: bool = True):
+        self.url = base_url.rstrip("/")
+        self.tokenizer = tokenizer
+        self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s
+        self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.bucket_mb, self.sync_timeout_s = bucket_mb, sync_timeout_s
+        self.probe_prompts, self.probe_threshold = probe_prompts or [], probe_threshold
+        self._pushes = pushes
+        try:
+            models = self._request("GET", "/v1/models", None, connect_timeout_s, retries=1)
+        except RuntimeError as e:
+            raise UserError(f"--vllm_server_url {self.url}: no vLLM server answers ({e}); start one with "
+                            "`make vllm-serve MODEL=...` or leave the URL empty to let the run start its own") from None
+        self.model = model or models["data"][0]["id"]
+
+    @property
+    def pushes(self) -> bool:
+        return self._pushes
+
+    def _request(self, method: str, path: str, payload: dict | None, timeout: float, retries: int | None = None):
+        """One HTTP call with retries and exponential backoff on connection errors, timeouts and 5xx/429; any other
+        HTTP error raises at once. A dead server fails after about backoff_s * 2**max_retries seconds."""
+        import requests
+
+        retries = self.max_retries if retries is None else retries
+        last = None
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                r = requests.request(method, self.url + path, json=payload,
+                                     timeout=(min(self.connect_timeout_s, timeout), timeout))
+                if r.status_code in (429, 500, 502, 503, 504):
+                    raise _Transient(f"HTTP {r.status_code}: {r.text[:300]}")
+                if r.status_code >= 400:
+                    raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
+                return r.json() if r.content else None
+            except (requests.ConnectionError, requests.Timeout, _Transient) as e:
+                last = e
+                logger.warning("vLLM server %s%s: %s (attempt %d/%d)", self.url, path, type(e).__name__,
+                               attempt + 1, retries + 1)
+        raise RuntimeError(f"vLLM server {self.url}{path} unreachable after {retries + 1} attempts: "
+                           f"{str(last).splitlines()[0][:300]}")
+
+    def _rpc(self, method: str, args: list[str], seconds: float):
+        body = {"method": method, "args": args, "timeout": seconds}
+        return self._request("POST", "/collective_rpc", body, seconds)
+
+    def _push(self, blob: str, seconds: float) -> None:
+        self._rpc("verl_kit_stage", [blob], seconds)
+
+    def _commit(self, seconds: float) -> None:
+        self._rpc("verl_kit_commit", [], seconds)
+        self._request("POST", "/reset_prefix_cache", None, seconds)
+
+    def _completions(self, prompts: list[list[int]], body: dict) -> list[dict]:
+        out = self._request("POST", "/v1/completions", {"model": self.model, "prompt": prompts, **body},
+                            self.request_timeout_s)
+        return sorted(out["choices"], key=lambda c: c["index"])
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
+        body = dict(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                    max_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos, logprobs=0,
+                    return_token_ids=True, skip_special_tokens=False)
+        for key in ("seed", "stop"):
+            if getattr(params, key, None) is not None:
+                body[key] = getattr(params, key)
+        choices = self._completions(prompts, body)
+        completions = [(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "length")
+                       for c in choices]
+        prompts_n = [p for p in prompts for _ in range(params.n)]
+        return to_rollout(prompts_n, completions, self.tokenizer.pad_token_id)
+
+    def close(self) -> None:
+        """Stop the server if this client's run started it."""
+        if getattr(self, "server", None) is not None:
+            self.server.stop()
+
+    def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        choices = self._completions(seqs, dict(max_tokens=1, temperature=1.0, prompt_logprobs=0))
+        return [torch.tensor([lp[str(t)]["logprob"] for t, lp in zip(s[1:], c["prompt_logprobs"][1:])])
+                for s, c in zip(seqs, choices)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(model_path: str, port: int, *, dtype: str = "auto", max_num_seqs: int = 256,
+                  max_model_len: int | None = None, extra: list[str] = ()) -> list[str]:
+    """The vLLM OpenAI server command for weight-synced rollouts, bound to 127.0.0.1 unless `extra` says --host."""
+    host = [] if "--host" in extra else ["--host", "127.0.0.1"]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, *host,
+            "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+            *(["--max-model-len", str(max_model_len)] if max_model_len else []),
+            "--worker-extension-cls", WORKER_EXTENSION,
+            "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
+            *([] if _on_gpu() else ["--enforce-eager"]), *extra]
+
+
+def serve_env(kv_cache_gib: int = 1) -> dict:
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # /collective_rpc and /reset_prefix_cache for the weight sync
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+    return env
+
+
+class ServerProcess:
+    """A vLLM server started for a run: `with ServerProcess(path) as server: VLLMServer(server.url, tok)`.
+    Startup waits for /health (up to startup_timeout_s) and fails with the log's tail if the server exits first."""
+
+    def __init__(self, model_path: str, *, port: int | None = None, startup_timeout_s: float = 600,
+                 log_path: str | None = None, kv_cache_gib: int = 1, **serve_kwargs):
+        import requests
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path or os.path.join("/tmp", f"verl_kit_vllm_{self.port}.log")
+        self.log = open(self.log_path, "w")
+        cmd = serve_command(model_path, self.port, **serve_kwargs)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=serve_env(kv_cache_gib),
+                                     start_new_session=True)
+        deadline = time.time() + startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                self.log.flush()
+                tail = open(self.log_path).read()[-3000:]
+                self.stop()
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode} while starting:\n{tail}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"vLLM server not healthy after {startup_timeout_s}s; log: {self.log_path}")
+            time.sleep(1)
+        logger.info("vLLM server ready at %s (log %s)", self.url, self.log_path)
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM the server's process group, SIGKILL it if it is not gone within timeout_s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # the engine core and workers share the group; make sure none outlives the server
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout backend flags, mixed into a recipe's config: `class PPOConfig(TrainConfig, RolloutConfig)`."""
+
+    rollout: str = field(default="hf", metadata={
+        "help": "hf (HF generate), vllm (a vLLM engine in each training process) or vllm-server"})
+    vllm_server_url: str | None = field(default=None, metadata={
+        "help": "vllm-server: URL of a running server (`make vllm-serve`); unset: the run starts one on 127.0.0.1"})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vllm: GPUs per engine"})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={
+        "help": "vllm: share of GPU memory for the engine's weights and KV cache"})
+    vllm_max_num_seqs: int = field(default=256, metadata={"help": "vLLM: sequences decoded together"})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={
+        "help": "vllm: release the engine's GPU memory during the update (GPU only)"})
+    vllm_kv_cache_gib: int = field(default=1, metadata={"help": "vLLM on CPU: KV cache GiB (VLLM_CPU_KVCACHE_SPACE)"})
+    vllm_sync_bucket_mb: float = field(default=64, metadata={
+        "help": "weight sync: MiB of parameters gathered and sent at a time"})
+    vllm_sync_timeout_s: float = field(default=600, metadata={"help": "weight sync: seconds before it fails"})
+    vllm_probe_size: int = field(default=4, metadata={
+        "help": "prompts scored by engine and trainer after each sync (0: no probe)"})
+    vllm_probe_threshold: float = field(default=1.0, metadata={
+        "help": "stop when the probe's max |logprob difference| exceeds this"})
+
+
+def make_backend(cfg: RolloutConfig, model_path: str, tokenizer, rank: int, world: int, dtype: torch.dtype,
+                 probe_prompts: list[list[int]], max_model_len: int | None = None, seed: int = 0):
+    """`--rollout vllm|vllm-server` -> a backend. Collective for vllm-server without a URL: process 0 starts a
+    server on a free 127.0.0.1 port (stopped at exit) and every process connects to it; only process 0 pushes
+    weights to it."""
+    vllm_dtype = str(dtype).removeprefix("torch.")
+    common = dict(bucket_mb=cfg.vllm_sync_bucket_mb, sync_timeout_s=cfg.vllm_sync_timeout_s,
+                  probe_prompts=probe_prompts, probe_threshold=cfg.vllm_probe_threshold)
+    if cfg.rollout == "vllm":
+        return VLLMColocated(model_path, tokenizer, dtype=vllm_dtype, seed=seed + rank, max_model_len=max_model_len,
+                             tensor_parallel_size=cfg.vllm_tensor_parallel_size, max_num_seqs=cfg.vllm_max_num_seqs,
+                             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                             enable_sleep_mode=cfg.vllm_enable_sleep_mode, kv_cache_gib=cfg.vllm_kv_cache_gib,
+                             **common)
+    if cfg.rollout != "vllm-server":
+        raise UserError(f"--rollout: {cfg.rollout!r} is not one of hf, vllm, vllm-server")
+    server, url = None, cfg.vllm_server_url
+    if not url:
+        if rank == 0:
+            server = ServerProcess(model_path, dtype=vllm_dtype, kv_cache_gib=cfg.vllm_kv_cache_gib,
+                                   max_num_seqs=cfg.vllm_max_num_seqs, max_model_len=max_model_len,
+                                   extra=["--tensor-parallel-size", str(cfg.vllm_tensor_parallel_size),
+                                          "--seed", str(seed)])
+            atexit.register(server.stop)
+        box = [server.url if server else None]
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(box, src=0)
+        url = box[0]
+    client = VLLMServer(url, tokenizer, pushes=rank == 0, **common)
+    client.server = server
+    return client
+
+
+def main(argv: list[str]) -> None:
+    """`serve`: run a weight-syncable vLLM server in the foreground (what `make vllm-serve` calls)."""
+    import argparse
+
+    from verl_kit.models import resolve_model_path
+
+    ap = argparse.ArgumentParser(prog="python -m verl_kit.vllm_rollout")
+    ap.add_argument("command", choices=["serve"])
+    ap.add_argument("--model", required=True, help="path, hub name or tiny-llama")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max_num_seqs", type=int, default=256)
+    ap.add_argument("--max_model_len", type=int, default=None, help="default: the model's maximum")
+    ap.add_argument("--kv_cache_gib", type=int, default=1, help="KV cache on CPU (VLLM_CPU_KVCACHE_SPACE)")
+    args, extra = ap.parse_known_args(argv)
+    path = resolve_model_path(args.model)
+    cmd = serve_command(path, args.port, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                        max_model_len=args.max_model_len, extra=extra)
+    print(" ".join(cmd), flush=True)
+    os.execve(cmd[0], cmd, serve_env(args.kv_cache_gib))
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
