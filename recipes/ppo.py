@@ -307,6 +307,7 @@ def main():
         if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
             save_checkpoint(accelerator, cfg.output_dir, step + 1, {"total_steps": total_steps}, cfg.save_total_limit)
 
+    rollout_engine.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
     export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.output_dir, "final"))
     log.close(["reward/mean", "kl", "actor/entropy", "critic/explained_var", "response_length/mean"])
     destroy()

@@ -105,6 +105,9 @@ class HFGenerateBackend:
         self.tokenizer, self.device = tokenizer, device
         self.load_weights(actor)
 
+    def close(self) -> None:
+        """Nothing to release (the vLLM backends stop their engine or server here)."""
+
     @torch.no_grad()
     def load_weights(self, actor) -> None:
         """Weight sync: copy the (unwrapped) actor's parameters, gathered one at a time under ZeRO-3. Collective:
