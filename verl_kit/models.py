@@ -13,7 +13,7 @@ import shutil
 import torch
 
 from verl_kit.errors import UserError
-from verl_kit.tiny import TINY_MODEL_NAME, build_tiny_model
+from verl_kit.tiny import TINY_MODEL_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +27,9 @@ def resolve_model_path(name: str) -> str:
     after checking that a local path exists or the name can be found by transformers."""
     if name == TINY_MODEL_NAME:
         path = os.path.join(cache_dir(), "tiny-llama-v1")
-        if not os.path.isfile(os.path.join(path, "config.json")):
+        if not os.path.isfile(os.path.join(path, "model.safetensors")):
             logger.info("building the embedded tiny model in %s", path)
-            build_tiny_model(path)
+            _build_outside_distributed(path)
         return path
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
@@ -45,6 +45,20 @@ def resolve_model_path(name: str) -> str:
         raise UserError(f"--model_name_or_path {name}: not found as a local directory ({os.path.abspath(name)}) "
                         f"nor in the Hugging Face cache/hub ({str(e).splitlines()[0]})") from None
     return name
+
+
+def _build_outside_distributed(path: str) -> None:
+    """Build the tiny model in a child process that knows nothing of the launch: inside a distributed run
+    transformers' save_pretrained writes weights on rank 0 only, so a rank-1 build would be incomplete. Concurrent
+    builds are safe (each writes a temporary directory; the first rename wins)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith("ACCELERATE_")}
+    subprocess.run([sys.executable, "-m", "verl_kit.tiny", "model", path], env=env, check=True,
+                   stdout=subprocess.DEVNULL, timeout=600)
 
 
 def default_attn_implementation() -> str:

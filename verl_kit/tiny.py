@@ -111,8 +111,15 @@ def build_tiny_model(out_dir: str, hidden_size: int = 128, num_layers: int = 2, 
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-tiny-")
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, is_main_process=True)
     tokenizer.save_pretrained(tmp)
+    missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not os.path.isfile(f"{tmp}/{f}")]
+    if missing:
+        raise RuntimeError(f"building the tiny model wrote no {', '.join(missing)} in {tmp}")
+    if os.path.isdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "model.safetensors")):
+        import shutil
+
+        shutil.rmtree(out_dir, ignore_errors=True)  # a broken earlier build
     try:
         os.rename(tmp, out_dir)  # another process may have won the race: theirs is identical
     except OSError:
