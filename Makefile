@@ -8,7 +8,7 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install demo test test-fast lint bench bench-deps clean
 
 install: $(VENV)/.installed
 
@@ -39,8 +39,17 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check verl_kit recipes tests bench
 
-bench: install
+bench: install bench-deps
 	GLOO_SOCKET_IFNAME=lo $(PY) bench/run.py
+
+# The PPO benchmark's peer: TRL 1.12, the last release with a PPOTrainer, beside (not in) the venv; the bench puts it
+# first on its TRL worker's PYTHONPATH (bench/ppo_vs_trl.py).
+bench-deps: $(VENV)/side/trl-1.12/.installed
+
+$(VENV)/side/trl-1.12/.installed: $(VENV)/.installed
+	rm -rf $(VENV)/side/trl-1.12
+	$(VENV)/bin/pip install --quiet --no-deps --target $(VENV)/side/trl-1.12 trl==1.12.0
+	touch $@
 
 clean:
 	rm -rf outputs bench/results .pytest_cache

@@ -1,107 +1,237 @@
-"""PPO step time: `recipes/ppo.py` against TRL's GRPOTrainer, measured in the same run.
+"""PPO step time: `recipes/ppo.py` against TRL's PPOTrainer (TRL 1.12, the last release with one) and against the
+pinned TRL's GRPOTrainer, measured in the same run.
 
-    python bench/ppo_vs_trl.py                  # the whole comparison (a few minutes on 2 CPU cores)
-    python bench/ppo_vs_trl.py --rounds 1 --steps 3
+    make bench-deps && python bench/ppo_vs_trl.py        # the whole comparison (~8 minutes on 2 CPU cores)
+    python bench/ppo_vs_trl.py --steps 2 --skip grpo
 
-TRL 1.16 has no PPOTrainer (it left with 0.x's experimental trainers), so the peer is its closest on-policy RL
-trainer, GRPOTrainer. Both sides: the same ~20M-parameter Llama (bench/common.py), the embedded task's prompts and
-reward (verl_kit.rewards:kind_words), the same batch (`--prompts` prompts x `--generations` samples), a fixed
-generation length (EOS ignored: ours `--ignore_eos`, TRL `generation_kwargs={"min_new_tokens": L}`), a frozen
-reference model scored every step (TRL beta=0.04), one optimizer step per batch (ours one PPO epoch of one
-minibatch; TRL num_iterations=1, steps_per_generation=1), fp32, one process each, gradient checkpointing off.
-PPO also trains a critic (a values forward, then a critic forward, backward and AdamW step) that GRPO does not have,
-so ours does more work per step. Runs alternate (ours, TRL, then the reverse); each run skips `--warmup` steps; the
-figure is the median step wall time over the measured steps (ours: timing_s/step from metrics.jsonl; TRL: time
-between consecutive on_step_end callbacks). ratio = TRL step time / ours. The generation share is ours
-timing_s/gen / timing_s/step; TRL generates inside its training step and reports no split. Also printed, for a
-like-for-like reading: ours without the critic's work (timing_s/values + timing_s/update_critic subtracted).
+The peer. TRL 1.16 has no PPOTrainer; TRL 1.12 has it as trl.experimental.ppo. It is installed with --no-deps into
+a side directory (`make bench-deps`: .venv/side/trl-1.12) that goes first on the worker's PYTHONPATH, so it runs on
+the same torch/transformers/accelerate as ours. Its algorithm is the same PPO as ours: sampling log-probs as the old
+log-probs, a frozen reference, a reward model, a value model, GAE, whitened advantages, clipped policy and value
+losses. So ours runs with `--old_logprobs rollout` here, and both sides do the same passes per step: generation, a
+reference forward, a value forward, a reward-model forward, then a policy and a value forward+backward and an AdamW
+step each (TRL: one optimizer over the policy+value wrapper).
+
+The same on both sides: the ~20M-parameter Llama (bench/common.py) as policy and reference; a reward model built from
+it (LlamaForSequenceClassification, seeded score head) that also initialises the value model (ours
+`--critic_init reward`); 64 prompts x 1 sample per step; 32 generated tokens, EOS ignored (ours `--ignore_eos`, TRL
+`stop_token=None`); one PPO epoch of one minibatch of one micro-batch; fp32, one process, gradient checkpointing off.
+Step time = wall time between the ends of consecutive steps (ours: metrics.jsonl elapsed_s; TRL: on_step_end), median
+over the measured steps after `--warmup`. ratio = TRL / ours. Runs alternate order between workloads.
+
+Workloads: `mixed` prompts have lognormal lengths (median 40 tokens, sigma 0.6, up to 200: bench/common.py
+write_preference_data), as real prompt sets do; `uniform` are the embedded task's prompts (8-11 tokens), where there
+is no padding to save, so the two should be close. The headline `ppo_vs_trl` is `mixed`.
+
+Also printed: `ppo_vs_trl_grpo`, ours (defaults: log-probs recomputed, kind_words reward, critic from the policy)
+against TRL 1.16 GRPOTrainer (beta 0.04, no critic) on the embedded task. GRPO does less work per step (no value
+model, no critic update), so this is not like for like; it is there because GRPOTrainer is what the pinned TRL has.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PYTHON, RESULTS, ROOT, build_model, count_parameters, median, run, save_results, summary_line  # noqa: E402
+from common import (  # noqa: E402
+    PYTHON,
+    RESULTS,
+    ROOT,
+    bench_env,
+    build_model,
+    count_parameters,
+    median,
+    run,
+    save_results,
+    summary_line,
+    write_preference_data,
+)
 
 OUT = RESULTS / "ppo_vs_trl"
+TRL_PPO_DIR = ROOT / ".venv" / "side" / "trl-1.12"
+BATCH, LENGTH = 64, 32
 
 
-def run_ours(args, model_dir: str, tag: str) -> dict:
+def build_reward_model(model_dir: str) -> str:
+    """The bench Llama with a sequence-classification head (seeded): reward model and value-model init."""
+    out = Path(model_dir + "-rm")
+    if not (out / "config.json").is_file():
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        torch.manual_seed(0)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        rm = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+        rm.config.pad_token_id = tokenizer.pad_token_id
+        rm.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def datasets_for(model_dir: str) -> dict[str, str]:
+    from transformers import AutoTokenizer
+
+    from verl_kit.tiny import TINY_PREFS
+
+    mixed = OUT / "data" / "mixed_prompts.jsonl"
+    if not mixed.is_file():
+        write_preference_data(mixed, AutoTokenizer.from_pretrained(model_dir), n=2000, seed=0, prompt_median=40)
+    return {"mixed": str(mixed), "uniform": TINY_PREFS}
+
+
+def step_times(ends: list[float], warmup: int) -> list[float]:
+    """Step k's time is end(k) - end(k-1), k >= 1; the first `warmup` steps are dropped."""
+    return [b - a for a, b in zip(ends, ends[1:])][max(warmup - 1, 0):]
+
+
+def run_ours(args, tag: str, extra: list[str]) -> dict:
     out = OUT / tag
-    cmd = [PYTHON, str(ROOT / "recipes" / "ppo.py"), "--model_name_or_path", model_dir, "--output_dir", str(out),
-           "--max_steps", str(args.warmup + args.steps), "--prompts_per_step", str(args.prompts),
-           "--num_generations", str(args.generations), "--max_completion_length", str(args.length),
+    cmd = [PYTHON, str(ROOT / "recipes" / "ppo.py"), "--model_name_or_path", args.model, "--output_dir", str(out),
+           "--max_steps", str(args.warmup + args.steps), "--max_completion_length", str(LENGTH),
            "--ignore_eos", "true", "--num_ppo_epochs", "1", "--num_mini_batches", "1",
-           "--per_device_train_batch_size", str(args.prompts * args.generations), "--gradient_checkpointing", "false",
-           "--learning_rate", "1e-5", "--critic_learning_rate", "1e-5", "--logging_steps", "1",
-           "--lr_scheduler_type", "constant", "--kl_coef", "0.04", "--dataset_test_split", "none"]
+           "--per_device_train_batch_size", str(BATCH),
+           "--gradient_checkpointing", "false", "--learning_rate", "1e-5", "--critic_learning_rate", "1e-5",
+           "--logging_steps", "1", "--lr_scheduler_type", "constant", "--dataset_test_split", "none", *extra]
     run(cmd, OUT / f"{tag}.log", args.timeout, prefix=f"[{tag}] ")
     with open(out / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f if line.strip()][args.warmup:]
-    critic = [r["timing_s/values"] + r["timing_s/update_critic"] for r in rows]
-    return {"step_s": [r["timing_s/step"] for r in rows], "gen_s": [r["timing_s/gen"] for r in rows],
-            "critic_s": critic, "response_length": [r["response_length/mean"] for r in rows]}
+        rows = [json.loads(line) for line in f if line.strip()]
+    assert all(r["response_length/mean"] == LENGTH for r in rows), "EOS was not ignored"
+    measured = rows[args.warmup:]
+    return {"step_s": step_times([r["elapsed_s"] for r in rows], args.warmup),
+            "gen_s": [r["timing_s/gen"] for r in measured], "inner_step_s": [r["timing_s/step"] for r in measured],
+            "timing": {k: median([r[k] for r in measured]) for k in measured[0] if k.startswith("timing_s/")}}
 
 
-def run_trl(args, model_dir: str, tag: str) -> dict:
+def run_trl(args, tag: str, worker: str, extra: list[str], env: dict | None = None) -> dict:
     out = OUT / tag
-    cmd = [PYTHON, str(Path(__file__).resolve()), "trl-worker", "--model", model_dir, "--out", str(out),
-           "--steps", str(args.warmup + args.steps), "--prompts", str(args.prompts),
-           "--generations", str(args.generations), "--length", str(args.length)]
-    run(cmd, OUT / f"{tag}.log", args.timeout, prefix=f"[{tag}] ")
+    cmd = [PYTHON, str(Path(__file__).resolve()), worker, "--model", args.model, "--out", str(out),
+           "--steps", str(args.warmup + args.steps), *extra]
+    run(cmd, OUT / f"{tag}.log", args.timeout, env=env, prefix=f"[{tag}] ")
     with open(out / "steps.json") as f:
         ends = json.load(f)["step_end_times"]
-    steps = [b - a for a, b in zip(ends, ends[1:])]  # step k's time: end of k-1 -> end of k (k >= 1)
-    return {"step_s": steps[max(args.warmup - 1, 0):]}
+    return {"step_s": step_times(ends, args.warmup)}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=1, help="alternating pairs of runs (ours+TRL, then TRL+ours)")
     p.add_argument("--steps", type=int, default=4, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=1, help="steps skipped per run")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    p.add_argument("--generations", type=int, default=4, help="samples per prompt")
-    p.add_argument("--length", type=int, default=32, help="generated tokens per sample (EOS ignored)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["mixed", "uniform", "grpo"])
     p.add_argument("--timeout", type=float, default=900)
     args = p.parse_args(argv)
-    model_dir = build_model()
-    print(f"model: {count_parameters(model_dir) / 1e6:.1f}M parameters; batch {args.prompts} prompts x "
-          f"{args.generations} samples x {args.length} new tokens", flush=True)
-    ours, trl = [], []
-    for r in range(args.rounds):
-        order = [("ours", run_ours), ("trl", run_trl)]
-        for name, fn in order if r % 2 == 0 else order[::-1]:
-            (ours if name == "ours" else trl).append(fn(args, model_dir, f"{name}-{r}"))
-    ours_step = median([s for x in ours for s in x["step_s"]])
-    ours_gen = median([g / s for x in ours for g, s in zip(x["gen_s"], x["step_s"])])
-    ours_no_critic = median([s - c for x in ours for s, c in zip(x["step_s"], x["critic_s"])])
-    trl_step = median([s for x in trl for s in x["step_s"]])
-    assert all(length == args.length for x in ours for length in x["response_length"]), "EOS was not ignored"
-    results = {"ours": ours, "trl": trl, "ours_step_s": ours_step, "trl_step_s": trl_step,
-               "ours_generation_share": ours_gen,
-               "ours_step_without_critic_s": ours_no_critic, "ratio": trl_step / ours_step, "args": vars(args)}
+    if not (TRL_PPO_DIR / "trl" / "experimental" / "ppo").is_dir():
+        sys.exit(f"TRL 1.12 (the PPOTrainer peer) is not installed in {TRL_PPO_DIR}: run `make bench-deps`")
+    args.model = build_model()
+    args.rm = build_reward_model(args.model)
+    data = datasets_for(args.model)
+    print(f"model: {count_parameters(args.model) / 1e6:.1f}M parameters; {BATCH} prompts x 1 sample x {LENGTH} "
+          f"new tokens per step", flush=True)
+    side_env = {**bench_env(), "PYTHONPATH": os.pathsep.join([str(TRL_PPO_DIR), str(ROOT)]),
+                "TRL_EXPERIMENTAL_SILENCE": "1"}
+    ppo_flags = ["--prompts_per_step", str(BATCH), "--num_generations", "1", "--reward_fn", "none",
+                 "--reward_model_name_or_path", args.rm, "--critic_init", "reward", "--old_logprobs", "rollout",
+                 "--kl_coef", "0.05"]
+    results, lines = {"args": vars(args)}, []
+    for n, workload in enumerate(w for w in ("mixed", "uniform") if w not in args.skip):
+        path = data[workload]
+        jobs = [("ours", lambda t, path=path: run_ours(args, t, ppo_flags + ["--dataset_name", path])),
+                ("trl", lambda t, path=path: run_trl(args, t, "trl-ppo-worker", ["--rm", args.rm, "--data", path],
+                                                     side_env))]
+        got = {}
+        for name, fn in jobs if n % 2 == 0 else jobs[::-1]:
+            got[name] = fn(f"{workload}-{name}")
+        ours, trl = median(got["ours"]["step_s"]), median(got["trl"]["step_s"])
+        gen = median([g / s for g, s in zip(got["ours"]["gen_s"], got["ours"]["inner_step_s"])])
+        results[workload] = {**got, "ours_step_s": ours, "trl_step_s": trl, "ours_generation_share": gen,
+                             "ratio": trl / ours}
+        print(f"{workload}: ours {ours:.2f}s/step (generation {100 * gen:.0f}%; "
+              + ", ".join(f"{k[9:]} {v:.2f}" for k, v in got["ours"]["timing"].items()) + f"), TRL PPOTrainer "
+              f"{trl:.2f}s/step", flush=True)
+        key = "ppo_vs_trl" if workload == "mixed" else "ppo_vs_trl_uniform"
+        lines.append(summary_line(key, trl / ours, f"{workload} prompts: ours {ours:.2f}s/step vs TRL 1.12 "
+                                  f"PPOTrainer {trl:.2f}s/step, ours gen share {gen:.2f}"))
+    if "grpo" not in args.skip:
+        ours = run_ours(args, "grpo-ours", ["--prompts_per_step", "16", "--num_generations", "4", "--kl_coef", "0.04"])
+        trl = run_trl(args, "grpo-trl", "trl-grpo-worker", [])
+        o, t = median(ours["step_s"]), median(trl["step_s"])
+        results["grpo"] = {"ours": ours, "trl": trl, "ours_step_s": o, "trl_step_s": t, "ratio": t / o}
+        lines.append(summary_line("ppo_vs_trl_grpo", t / o, f"embedded task, ours PPO defaults {o:.2f}s/step vs TRL "
+                                  f"1.16 GRPOTrainer {t:.2f}s/step (GRPO has no critic: not like for like)"))
     save_results("ppo_vs_trl", results)
-    print(f"ours  step {ours_step:.2f}s (generation {100 * ours_gen:.0f}% of the step)")
-    print(f"ours  step without the critic's work (values pass, critic update): {ours_no_critic:.2f}s")
-    print(f"TRL GRPOTrainer step {trl_step:.2f}s (generation share not reported by TRL)")
-    print(summary_line("ppo_vs_trl", trl_step / ours_step,
-                       f"ours {ours_step:.2f}s/step vs TRL GRPO {trl_step:.2f}s/step, ours gen share {ours_gen:.2f}"))
+    for line in lines:
+        print(line)
 
 
-def trl_worker(argv):
+# ---- TRL workers (each runs in its own process) ------------------------------------------------------------------
+
+
+def _worker_args(argv, *extra: str):
     p = argparse.ArgumentParser()
-    for name in ("--model", "--out"):
+    for name in ("--model", "--out", *extra):
         p.add_argument(name, required=True)
-    for name in ("--steps", "--prompts", "--generations", "--length"):
-        p.add_argument(name, type=int, required=True)
-    a = p.parse_args(argv)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    p.add_argument("--steps", type=int, required=True)
+    return p.parse_args(argv)
+
+
+def _clock(ends: list[float]):
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            ends.append(time.time())
+
+    return Clock()
+
+
+def _save_ends(out: str, ends: list[float]) -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with open(Path(out) / "steps.json", "w") as f:
+        json.dump({"step_end_times": ends}, f)
+
+
+def trl_ppo_worker(argv):
+    a = _worker_args(argv, "--rm", "--data")
+    import torch
+    import trl
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    from verl_kit.data import load_split
+
+    assert trl.__version__ == "1.12.0", f"expected the side-installed TRL 1.12.0, got {trl.__version__}"
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    tokenizer.padding_side = "left"
+    ds = load_split(a.data, "train")
+    ds = ds.map(lambda r: {"input_ids": tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True,
+                                                                      tokenize=True, return_dict=False)},
+                remove_columns=ds.column_names)
+    config = PPOConfig(
+        output_dir=a.out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1, num_mini_batches=1,
+        num_ppo_epochs=1, total_episodes=BATCH * a.steps, local_rollout_forward_batch_size=BATCH,
+        response_length=LENGTH, stop_token=None, temperature=1.0, kl_coef=0.05, learning_rate=1e-5,
+        lr_scheduler_type="constant", use_cpu=True, bf16=False, gradient_checkpointing=False,
+        num_sample_generations=0, save_strategy="no", report_to="none", logging_steps=1, seed=42,
+        dataloader_num_workers=0, disable_tqdm=True)
+    load = lambda cls, path: cls.from_pretrained(path, dtype=torch.float32, **(  # noqa: E731
+        {"num_labels": 1} if cls is AutoModelForSequenceClassification else {}))
+    ends = []
+    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=load(AutoModelForCausalLM, a.model),
+                         ref_model=load(AutoModelForCausalLM, a.model),
+                         reward_model=load(AutoModelForSequenceClassification, a.rm),
+                         value_model=load(AutoModelForSequenceClassification, a.rm), train_dataset=ds,
+                         callbacks=[_clock(ends)])
+    trainer.train()
+    _save_ends(a.out, ends)
+
+
+def trl_grpo_worker(argv):
+    a = _worker_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from verl_kit.data import load_split
@@ -111,32 +241,24 @@ def trl_worker(argv):
     def kind(prompts, completions, **_):  # conversational completions arrive as [{"role", "content"}]
         return kind_words(prompts, [c[0]["content"] if isinstance(c, list) else c for c in completions])
 
-    ends = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *_, **__):
-            ends.append(time.time())
-
     ds = load_split(TINY_PREFS, "train").select_columns(["prompt"])
     config = GRPOConfig(
-        output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=a.prompts * a.generations,
-        num_generations=a.generations, max_completion_length=a.length,
-        generation_kwargs={"min_new_tokens": a.length}, gradient_accumulation_steps=1, num_iterations=1,
-        beta=0.04, learning_rate=1e-5, lr_scheduler_type="constant", temperature=1.0, top_p=1.0, use_cpu=True,
-        bf16=False, gradient_checkpointing=False, logging_steps=1, save_strategy="no", report_to="none",
-        disable_tqdm=True, seed=42, dataloader_num_workers=0)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype="float32")
-    tokenizer = AutoTokenizer.from_pretrained(a.model)
-    trainer = GRPOTrainer(model=model, reward_funcs=kind, args=config, train_dataset=ds, processing_class=tokenizer,
-                          callbacks=[Clock()])
+        output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=BATCH, num_generations=4,
+        max_completion_length=LENGTH, generation_kwargs={"min_new_tokens": LENGTH}, gradient_accumulation_steps=1,
+        num_iterations=1, beta=0.04, learning_rate=1e-5, lr_scheduler_type="constant", temperature=1.0, top_p=1.0,
+        use_cpu=True, bf16=False, gradient_checkpointing=False, logging_steps=1, save_strategy="no",
+        report_to="none", disable_tqdm=True, seed=42, dataloader_num_workers=0)
+    ends = []
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(a.model, dtype="float32"), reward_funcs=kind,
+                          args=config, train_dataset=ds, processing_class=AutoTokenizer.from_pretrained(a.model),
+                          callbacks=[_clock(ends)])
     trainer.train()
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    with open(Path(a.out) / "steps.json", "w") as f:
-        json.dump({"step_end_times": ends}, f)
+    _save_ends(a.out, ends)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "trl-worker":
-        trl_worker(sys.argv[2:])
+    workers = {"trl-ppo-worker": trl_ppo_worker, "trl-grpo-worker": trl_grpo_worker}
+    if len(sys.argv) > 1 and sys.argv[1] in workers:
+        workers[sys.argv[1]](sys.argv[2:])
     else:
         main()

@@ -77,6 +77,8 @@ class PPOConfig(TrainConfig, RolloutConfig):
     missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of responses without EOS"})
     critic_init: str = field(default="policy", metadata={"help": "critic backbone from the policy or reward model"})
     critic_learning_rate: float = field(default=1e-3, metadata={"help": "critic AdamW learning rate"})
+    old_logprobs: str = field(default="recompute", metadata={
+        "help": "recompute: an actor forward before the update; rollout: the sampling log-probs (as TRL's PPOTrainer)"})
     num_ppo_epochs: int = field(default=2, metadata={"help": "passes over each rollout batch"})
     num_mini_batches: int = field(default=2, metadata={"help": "optimizer steps per PPO epoch"})
     cliprange: float = field(default=0.2, metadata={"help": "policy ratio clip epsilon"})
@@ -96,7 +98,8 @@ class PPOConfig(TrainConfig, RolloutConfig):
 def main():
     cfg = parse_args(PPOConfig)
     for name, value, allowed in [("critic_init", cfg.critic_init, ("policy", "reward")),
-                                 ("kl_estimator", cfg.kl_estimator, ("k1", "k3"))]:
+                                 ("kl_estimator", cfg.kl_estimator, ("k1", "k3")),
+                                 ("old_logprobs", cfg.old_logprobs, ("recompute", "rollout"))]:
         if value not in allowed:
             raise UserError(f"--{name}: {value!r} is not one of {', '.join(allowed)}")
     accelerator = make_accelerator(cfg)
@@ -105,6 +108,8 @@ def main():
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     if cfg.prompts_per_step % world:
         raise UserError(f"--prompts_per_step {cfg.prompts_per_step} must be a multiple of the {world} processes")
+    if cfg.old_logprobs == "rollout" and (cfg.top_p < 1.0 or cfg.top_k > 0):  # truncated sampling != the policy
+        raise UserError("--old_logprobs rollout needs --top_p 1.0 and --top_k 0 (else sampling log-probs differ)")
     if cfg.critic_init == "reward" and not cfg.reward_model_name_or_path:
         raise UserError("--critic_init reward needs --reward_model_name_or_path")
 
@@ -127,6 +132,7 @@ def main():
                        cfg.critic_learning_rate, **schedule)
     ref = frozen(accelerator, lambda: load_causal_lm(model_path, attn))
     block_mask = uses_block_mask(accelerator.unwrap_model(actor.model))
+    hidden_size = accelerator.unwrap_model(actor.model).config.hidden_size  # packing.layout's pack-or-pad choice
     kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
               else FixedKLController(cfg.kl_coef))
     accelerator.register_for_checkpointing(kl_ctl)
@@ -166,7 +172,7 @@ def main():
 
     def packed(ro, rows_):
         return pack_responses(ro.prompt_ids, ro.response_ids, ro.response_mask, rows_, pad, cfg.packing,
-                              cfg.packing_length, block_mask)
+                              cfg.packing_length, block_mask, hidden_size)
 
     @torch.no_grad()
     def per_token(ro, fn, chunks) -> torch.Tensor:
@@ -211,7 +217,8 @@ def main():
         costs = [len(p) + int(n) for p, n in zip(ro.prompt_ids, lengths)]
         chunks = micro_batches(list(range(B)), costs)
         t0 = time.time()
-        old_logprobs = per_token(ro, logprobs_of(actor.model), chunks)
+        old_logprobs = (ro.sampling_logprobs if cfg.old_logprobs == "rollout"
+                        else per_token(ro, logprobs_of(actor.model), chunks))
         ref_logprobs = per_token(ro, logprobs_of(ref), chunks)
         tick(timing, "ref", t0)
         t0 = time.time()

@@ -98,3 +98,20 @@ def test_split_by_tokens_budget_and_fixed_count():
     assert len(chunks) == 4  # 200 tokens, budget 60
     fixed = split_by_tokens(costs, None, n_chunks=5)
     assert len(fixed) == 5 and sorted(i for c in fixed for i in c) == list(range(6))
+
+
+def test_layout_pads_when_packing_does_not_pay():
+    """Under the dense block mask a packed row of W tokens costs W (1 + W / 6h) (packing.row_cost). 16 sequences of
+    40 tokens, h=512, packing_length 512: padded 16 * 40 * 1.013 = 648 < packed 2 rows * 480 * 1.156 = 1110, so they
+    are padded. One sequence of 400 and 15 of 10: padded 16 * 400 * 1.13 = 7233 > packed 2 rows of 510:
+    2 * 510 * 1.17 = 1189, so they are packed. Without hidden_size, or without the block mask (flash-attention
+    varlen), packing is always kept."""
+    even = [[7] * 40] * 16
+    batch = layout(even, [[True] * 40] * 16, pad_id=0, packing=True, packing_length=512, hidden_size=512)
+    assert batch.input_ids.shape == (16, 40) and batch.attention_mask.dim() == 2
+    for kwargs in ({}, {"block_mask": False}):
+        assert layout(even, [[True] * 40] * 16, 0, True, 512, hidden_size=None if not kwargs else 512,
+                      **kwargs).input_ids.shape == (2, 480)
+    skewed = [[7] * 400] + [[7] * 10] * 15
+    batch = layout(skewed, [[True] * len(s) for s in skewed], 0, True, 512, hidden_size=512)
+    assert batch.input_ids.shape == (2, 510) and batch.attention_mask.dim() == 4

@@ -8,13 +8,16 @@ import pytest
 import torch
 from helpers import launch_cmd, load_weights, metrics, recipe_cmd, run, run_until
 
+from verl_kit.actor_critic import actor_logits, pack_responses
+from verl_kit.ppo_losses import logprobs_from_logits
 from verl_kit.rollout import HFGenerateBackend, SamplingParams
 
 TINY = "recipes/configs/ppo_tiny.yaml"
 
 
 def test_rollout_logprobs_and_eos(tiny_model_path, tokenizer):
-    """Sampling log-probs equal the model's own log-probs at the sampling temperature. Then the same draw is
+    """Sampling log-probs equal the model's own log-probs at the sampling temperature, also as the recipe computes
+    them (packed or padded responses, actor_logits): so `--old_logprobs rollout` may use them. Then the same draw is
     repeated with a token that occurred as the EOS: the RNG stream is the same, so each response is the first
     one cut just after that token's first occurrence, with the mask ending there and `truncated` False."""
     from verl_kit.models import load_causal_lm
@@ -33,6 +36,11 @@ def test_rollout_logprobs_and_eos(tiny_model_path, tokenizer):
             P = len(first.prompt_ids[b])
             lp = (actor(seq).logits[0, P - 1:-1] / 0.7).log_softmax(-1).gather(-1, seq[0, P:, None]).squeeze(-1)
             torch.testing.assert_close(first.sampling_logprobs[b], lp, atol=1e-4, rtol=1e-4)
+        for packing in (True, False):
+            batch, ix = pack_responses(first.prompt_ids, first.response_ids, first.response_mask, list(range(6)),
+                                       tokenizer.pad_token_id, packing, 64, True)
+            lp = logprobs_from_logits(actor_logits(actor, batch, ix, 0.7), ix.targets)
+            torch.testing.assert_close(lp, first.sampling_logprobs[ix.row, ix.pos], atol=1e-4, rtol=1e-4)
     stop = int(first.response_ids[0, 4])
     engine.tokenizer = types.SimpleNamespace(pad_token_id=tokenizer.pad_token_id, eos_token_id=stop)
     torch.manual_seed(1)
@@ -64,6 +72,20 @@ def test_ppo_learns_embedded_task(tmp_path):
                 "critic/explained_var", "reward/mean", "reward/std", "kl", "kl_coef"]:
         assert key in rows[-1], key
     assert (out / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_ppo_rollout_old_logprobs(tmp_path):
+    """`--old_logprobs rollout` with one PPO epoch of one minibatch: the update's first forward reproduces the sampling
+    log-probs, so the policy ratio is 1 to float precision (approx_kl = mean 0.5 (log ratio)^2 < 1e-9, no clipping)."""
+    out = tmp_path / "run"
+    run(recipe_cmd("ppo.py", ["--config", TINY, "--output_dir", str(out), "--max_steps", "3", "--logging_steps", "1",
+                              "--old_logprobs", "rollout", "--num_ppo_epochs", "1", "--num_mini_batches", "1",
+                              "--temperature", "0.7"]), timeout=300)
+    rows = metrics(out)
+    assert len(rows) == 3
+    for r in rows:
+        assert r["actor/approx_kl"] < 1e-9 and r["actor/pg_clipfrac"] == 0, r
 
 
 def _zero3_args(out, rm_dir):
@@ -109,3 +131,6 @@ def test_ppo_user_errors(tmp_path):
     p = run(recipe_cmd("ppo.py", ["--output_dir", str(tmp_path), "--reward_fn", "verl_kit.rewards:nope"]),
             check=False, timeout=120)
     assert p.returncode == 2 and "error: --reward_fn 'verl_kit.rewards:nope'" in p.stderr, p.stderr[-2000:]
+    p = run(recipe_cmd("ppo.py", ["--output_dir", str(tmp_path), "--old_logprobs", "rollout", "--top_p", "0.9"]),
+            check=False, timeout=120)
+    assert p.returncode == 2 and "error: --old_logprobs rollout needs --top_p 1.0" in p.stderr, p.stderr[-2000:]

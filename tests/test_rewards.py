@@ -50,18 +50,19 @@ def test_reward_model_retokenizes_with_its_own_template(reward_model_dir, tokeni
     """The policy's completion text is rendered with the reward model's chat template and tokenized with the reward
     tokenizer; the policy tokenizer would give other ids for the same text (the vocabularies differ). The score of
     each sample equals a forward pass of the reward model on exactly that text, alone and unpadded, so batching
-    and right-padding inside score() do not change it."""
+    (by sorted length, 2 per batch here: the longest and the shortest sample land in different batches) and
+    right-padding inside score() do not change it, nor the order of the scores."""
     rm = _load(reward_model_dir)
-    prompts = [[{"role": "user", "content": "Describe the sea."}], "plain prompt: "]
-    completions = ["The sea is calm and kind.", "zebra"]
+    prompts = [[{"role": "user", "content": "Describe the sea."}], "plain prompt: ", "mid: "]
+    completions = ["The sea is calm and kind.", "zebra", "a calm reply"]
     texts = rm.texts(prompts, completions)
-    assert texts == ["[USER] Describe the sea.\n[ASSISTANT] The sea is calm and kind.\n", "plain prompt: zebra"]
+    assert texts[:2] == ["[USER] Describe the sea.\n[ASSISTANT] The sea is calm and kind.\n", "plain prompt: zebra"]
     policy_ids = tokenizer(texts[0], add_special_tokens=False)["input_ids"]
     rm_ids = rm.tokenizer(texts[0], add_special_tokens=False)["input_ids"]
     assert policy_ids != rm_ids
     assert rm.tokenizer.decode(rm_ids) == texts[0]
     scores = rm.score(prompts, completions)
-    assert scores.shape == (2,)
+    assert scores.shape == (3,)
     with torch.no_grad():
         for text, score in zip(texts, scores):
             ids = torch.tensor([rm.tokenizer(text, add_special_tokens=False)["input_ids"]])

@@ -148,12 +148,14 @@ class ResponseIndex:
 
 def pack_responses(prompt_ids: list[list[int]], response_ids: torch.Tensor, response_mask: torch.Tensor,
                    rows: list[int], pad_id: int, packing: bool, packing_length: int,
-                   block_mask: bool) -> tuple[TokenBatch, ResponseIndex]:
-    """prompt + response of each rollout row in `rows`, packed (or padded), response tokens scored."""
+                   block_mask: bool, hidden_size: int | None = None) -> tuple[TokenBatch, ResponseIndex]:
+    """prompt + response of each rollout row in `rows`, packed (or padded, see packing.layout), response tokens
+    scored."""
     lengths = response_mask.sum(-1).tolist()
     seqs = [prompt_ids[i] + response_ids[i, :lengths[i]].tolist() for i in rows]
     masks = [[False] * len(prompt_ids[i]) + [True] * lengths[i] for i in rows]
-    batch = layout(seqs, masks, pad_id, packing=packing, packing_length=packing_length, block_mask=block_mask)
+    batch = layout(seqs, masks, pad_id, packing=packing, packing_length=packing_length, block_mask=block_mask,
+                   hidden_size=hidden_size)
     scored = batch.loss_mask[:, 1:] & (batch.seq_ids[:, 1:] == batch.seq_ids[:, :-1])
     local = batch.seq_ids[:, 1:][scored]
     prompt_len = torch.tensor([len(prompt_ids[i]) for i in rows])

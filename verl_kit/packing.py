@@ -60,18 +60,29 @@ def pack_rows(lengths: list[int], row_len: int) -> list[list[int]]:
     return rows
 
 
+def row_cost(width: int, hidden_size: int) -> float:
+    """Relative compute of one row of `width` tokens under a dense mask: linear layers cost ~24 h^2 flops per token,
+    attention ~4 * width * h (every query against the whole row), so width * (1 + width / (6 h))."""
+    return width * (1.0 + width / (6.0 * hidden_size))
+
+
 def layout(seqs: list[list[int]], loss_masks: list[list[bool]], pad_id: int, packing: bool,
            packing_length: int | None = None, block_mask: bool = True,
-           dtype: torch.dtype = torch.float32) -> TokenBatch:
+           dtype: torch.dtype = torch.float32, hidden_size: int | None = None) -> TokenBatch:
     """Build a TokenBatch. `packing=False`: one sequence per row, right-padded to the longest.
     `packing=True`: sequences packed into rows of at most `packing_length` tokens (default: the longest sequence);
-    `block_mask=False` leaves attention_mask None for the flash-attention varlen path."""
+    `block_mask=False` leaves attention_mask None for the flash-attention varlen path.
+    With the block mask, attention runs over whole packed rows; given the model's `hidden_size`, sequences of
+    near-equal length (little padding to save) are padded instead when that costs less (see row_cost)."""
     lengths = [len(s) for s in seqs]
     if packing:
         row_len = max(packing_length or 0, max(lengths))
         rows = pack_rows(lengths, row_len)
         width = max(sum(lengths[i] for i in r) for r in rows)
-    else:
+        if block_mask and hidden_size and (len(seqs) * row_cost(max(lengths), hidden_size)
+                                           <= len(rows) * row_cost(width, hidden_size)):
+            packing = False
+    if not packing:
         rows = [[i] for i in range(len(seqs))]
         width = max(lengths)
     R = len(rows)

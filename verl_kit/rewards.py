@@ -113,15 +113,19 @@ class RewardModel:
 
     @torch.no_grad()
     def score(self, prompts: list, completions: list[str]) -> torch.Tensor:
-        texts = self.texts(prompts, completions)
-        out = []
-        for i in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[i:i + self.batch_size], add_special_tokens=False, padding=True,
-                                 truncation=True, max_length=self.max_length, return_tensors="pt")
+        """(B,) scores. Batches are formed from texts of similar length (sorted), so little of a forward pass is
+        padding; the batch count depends only on B (ZeRO-3 lockstep)."""
+        ids = self.tokenizer(self.texts(prompts, completions), add_special_tokens=False, truncation=True,
+                             max_length=self.max_length)["input_ids"]
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        out = torch.zeros(len(ids), dtype=torch.float32)
+        for i in range(0, len(order), self.batch_size):
+            rows = order[i:i + self.batch_size]
+            enc = self.tokenizer.pad({"input_ids": [ids[j] for j in rows]}, return_tensors="pt")
             logits = self.model(input_ids=enc["input_ids"].to(self.device),
                                 attention_mask=enc["attention_mask"].to(self.device)).logits
-            out.append(logits[:, 0].float().cpu())
-        return torch.cat(out)
+            out[rows] = logits[:, 0].float().cpu()
+        return out
 
 
 def load_reward_model(path: str, load_frozen, device, max_length: int, batch_size: int) -> RewardModel:
