@@ -268,3 +268,44 @@ def test_server_killed_mid_run_fails_fast(server, client, tokenizer):
     killer.join()
     assert time.time() - t0 < 30
     server.proc.wait(30)
+
+
+def test_server_started_by_a_run_dies_with_it(tmp_path):
+    """A run with `--rollout vllm-server` and no URL starts its own server. SIGKILL the run after its first step (its
+    atexit never runs): the parent-death signal stops the server, and no process of the server's group is left
+    within 60 s."""
+    import psutil
+    from helpers import recipe_cmd, run_until
+
+    def servers() -> set[int]:
+        return {p.pid for p in psutil.process_iter(["cmdline"])
+                if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or [])}
+
+    before = servers()
+    out = tmp_path / "run"
+    started: set[int] = set()
+
+    def first_step_done() -> bool:
+        started.update(servers() - before)
+        return (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0
+
+    run_until(recipe_cmd("ppo.py", ["--rollout", "vllm-server", "--output_dir", str(out), "--max_steps", "50",
+                                    "--prompts_per_step", "8", "--num_ppo_epochs", "1", "--num_mini_batches", "1",
+                                    "--logging_steps", "1"]), first_step_done, timeout=400, VLLM_HOST_IP="127.0.0.1")
+    assert len(started) == 1, started
+    group = started.pop()  # the server leads its own process group (start_new_session)
+
+    def members() -> list[int]:
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if os.getpgid(p.pid) == group and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p.pid)
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        return out
+
+    deadline = time.time() + 60
+    while members() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not members(), f"left behind: {members()}"

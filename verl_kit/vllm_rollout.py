@@ -323,9 +323,19 @@ def serve_env(kv_cache_gib: int = 1) -> dict:
     return env
 
 
+def _terminate_with_parent() -> None:
+    """In the server's child process before exec (Linux): SIGTERM it when the process that started it dies, even by
+    SIGKILL, when atexit and `stop()` never run. The server then shuts its engine core down itself."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class ServerProcess:
     """A vLLM server started for a run: `with ServerProcess(path) as server: VLLMServer(server.url, tok)`.
-    Startup waits for /health (up to startup_timeout_s) and fails with the log's tail if the server exits first."""
+    Startup waits for /health (up to startup_timeout_s) and fails with the log's tail if the server exits first.
+    The server is stopped by stop() (atexit in make_backend), or by the kernel when the starting process dies."""
 
     def __init__(self, model_path: str, *, port: int | None = None, startup_timeout_s: float = 600,
                  log_path: str | None = None, kv_cache_gib: int = 1, **serve_kwargs):
@@ -337,7 +347,7 @@ class ServerProcess:
         self.log = open(self.log_path, "w")
         cmd = serve_command(model_path, self.port, **serve_kwargs)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=serve_env(kv_cache_gib),
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_terminate_with_parent)
         deadline = time.time() + startup_timeout_s
         while True:
             if self.proc.poll() is not None:
