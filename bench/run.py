@@ -5,7 +5,8 @@ one after the other, and print their summary lines together at the end.
     python bench/run.py dpo kto         # only bench/dpo_vs_trl.py and bench/kto_vs_trl.py
 
 Each script is a subprocess whose output streams through; a script reports each comparison as one line
-`<name> ratio=<x> ...`. Those lines are collected and printed again at the end. Exits non-zero if any script failed.
+`<name> ratio=<x> ...` (the rollout bench adds `weight_sync_s=...` and `ppo_generation_share ...`). Those lines
+are collected and printed again at the end. Exits non-zero if any script failed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-SUMMARY = re.compile(r"^\S+ ratio=\S+")
+SUMMARY = re.compile(r"^(\S+ ratio=|weight_sync_s=|ppo_generation_share )")  # the lines each script ends with
 
 
 def main(argv: list[str]) -> int:
