@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -32,7 +32,6 @@ from verl_kit.advantages import (
     kl_estimate,
     masked_moments,
     token_rewards,
-    truncation_penalty,
     whiten,
 )
 from verl_kit.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
@@ -52,8 +51,8 @@ from verl_kit.ppo_losses import (
     value_clipped,
     value_loss,
 )
-from verl_kit.rewards import call_reward_fn, load_reward_fn, load_reward_model, weighted_sum
-from verl_kit.rollout import HFGenerateBackend, SamplingParams, load_prompts
+from verl_kit.rewards import Rewards, load_reward_model
+from verl_kit.rollout import HFGenerateBackend, SamplingParams, evaluate, load_prompts
 from verl_kit.vllm_rollout import RolloutConfig, make_backend
 
 logger = logging.getLogger("verl_kit")
@@ -119,6 +118,10 @@ def main():
     pad = tokenizer.pad_token_id
     rows = list(load_split(cfg.dataset_name, cfg.dataset_train_split, cfg.dataset_config))
     prompts = load_prompts(rows, tokenizer, cfg.max_prompt_length, cfg.dataset_name)
+    test_ds = cfg.dataset_test_split and load_split(cfg.dataset_name, cfg.dataset_test_split, cfg.dataset_config,
+                                                    required=False)
+    test_rows = list(test_ds) if test_ds else []
+    test_prompts = load_prompts(test_rows, tokenizer, cfg.max_prompt_length, cfg.dataset_name)
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(rows)
                                                                       / cfg.prompts_per_step)
     attn = cfg.attn_implementation
@@ -137,15 +140,10 @@ def main():
               else FixedKLController(cfg.kl_coef))
     accelerator.register_for_checkpointing(kl_ctl)
 
-    reward_fns = [(s, load_reward_fn(s)) for s in (cfg.reward_fn or "").split(",") if s.strip() not in ("", "none")]
     reward_model = cfg.reward_model_name_or_path and load_reward_model(
         cfg.reward_model_name_or_path, lambda load: frozen(accelerator, load), device, cfg.max_length,
         cfg.per_device_eval_batch_size)
-    n_sources = len(reward_fns) + bool(reward_model)
-    weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else [1.0] * n_sources
-    if n_sources == 0 or len(weights) != n_sources:
-        raise UserError(f"--reward_weights: {len(weights)} weight(s) for {n_sources} reward source(s) "
-                        "(--reward_fn entries, then --reward_model_name_or_path)")
+    reward = Rewards(cfg.reward_fn, reward_model or None, cfg.reward_weights, cfg.missing_eos_penalty)
 
     dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
     if cfg.rollout == "hf":
@@ -187,6 +185,11 @@ def main():
         return lambda batch, index: logprobs_from_logits(actor_logits(model, batch, index, cfg.temperature),
                                                          index.targets)
 
+    def score(raw_prompts: list, ro) -> torch.Tensor:
+        """Sequence scores (B,) of the decoded responses."""
+        return reward(raw_prompts, tokenizer.batch_decode([r[m] for r, m in zip(ro.response_ids, ro.response_mask)],
+                                                          skip_special_tokens=True), ro.truncated)
+
     def tick(timing: dict, key: str, t0: float) -> None:
         timing[f"timing_s/{key}"] = timing.get(f"timing_s/{key}", 0.0) + time.time() - t0
 
@@ -203,11 +206,7 @@ def main():
 
         # 2. rewards: sequence scores (B,)
         t0 = time.time()
-        completions = tokenizer.batch_decode([r[m] for r, m in zip(ro.response_ids, mask)], skip_special_tokens=True)
-        raw_prompts = [rows[i]["prompt"] for i in idx for _ in range(cfg.num_generations)]
-        sources = [call_reward_fn(name, fn, raw_prompts, completions) for name, fn in reward_fns]
-        sources += [reward_model.score(raw_prompts, completions)] if reward_model else []
-        scores = truncation_penalty(weighted_sum(sources, weights), ro.truncated, cfg.missing_eos_penalty)
+        scores = score([rows[i]["prompt"] for i in idx for _ in range(cfg.num_generations)], ro)
         n_seq, s_sum, s_sq = all_reduce_sum(accelerator, [B, scores.sum().item(), (scores ** 2).sum().item()])
         tick(timing, "reward", t0)
         info(f"Step {step + 1}: reward computed, avg score {s_sum / n_seq:.4f}")
@@ -309,14 +308,19 @@ def main():
                    "perf/tokens_per_s": (len_sum + prompt_tok) / timing["timing_s/step"],
                    "learning_rate": actor.scheduler.get_last_lr()[0], **timing, **sync_metrics}
         log.advance(reward=s_sum / n_seq)
-        if (step + 1) % cfg.logging_steps == 0 or step == start or step + 1 == total_steps:
+        do_eval = test_prompts and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)
+        if do_eval:
+            metrics.update(evaluate(accelerator, rollout_engine, test_prompts, [r["prompt"] for r in test_rows],
+                                    replace(sampling, n=1), score, cfg.prompts_per_step // world))
+        if (step + 1) % cfg.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
             log.log(step + 1, metrics)
         if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
             save_checkpoint(accelerator, cfg.output_dir, step + 1, {"total_steps": total_steps}, cfg.save_total_limit)
 
     rollout_engine.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
     export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.output_dir, "final"))
-    log.close(["reward/mean", "kl", "actor/entropy", "critic/explained_var", "response_length/mean"])
+    log.close(["reward/mean", "eval/reward_mean", "kl", "actor/entropy", "critic/explained_var",
+               "response_length/mean"])
     destroy()
 
 

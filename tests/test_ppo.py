@@ -53,6 +53,30 @@ def test_rollout_logprobs_and_eos(tiny_model_path, tokenizer):
         assert (second.sampling_logprobs[b, n:] == 0).all()
 
 
+def test_evaluate_scores_every_held_out_prompt_once(tiny_model_path, tokenizer):
+    """evaluate(): 5 prompts in generate calls of 2, 3 samples each; the score of a sample is its prompt's number, so
+    the mean must be (0+1+2+3+4)/5 = 2 exactly; the response length is the mean of the masks; the RNG is restored."""
+    from accelerate import Accelerator
+
+    from verl_kit.models import load_causal_lm
+    from verl_kit.rollout import evaluate
+
+    engine = HFGenerateBackend(load_causal_lm(tiny_model_path).eval(), tokenizer, "cpu", torch.float32)
+    prompts = [[5, 6, 7 + i] for i in range(5)]
+    lengths = []
+
+    def score(raw, ro):
+        lengths.append(ro.response_mask.sum(-1))
+        return torch.tensor(raw, dtype=torch.float32)
+
+    state = torch.get_rng_state()
+    out = evaluate(Accelerator(cpu=True), engine, prompts, list(range(5)), SamplingParams(max_new_tokens=6, n=3),
+                   score, batch_size=2)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert out["eval/reward_mean"] == 2.0
+    assert out["eval/response_length"] == pytest.approx(float(torch.cat(lengths).float().mean()))
+
+
 @pytest.mark.slow
 def test_ppo_learns_embedded_task(tmp_path):
     """The tiny model starts random (reward ~0.04: kind adjectives are 16 of ~650 tokens) and PPO must raise the
@@ -65,6 +89,7 @@ def test_ppo_learns_embedded_task(tmp_path):
     start, end = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
     print(f"reward start {start:.3f} end {end:.3f}: {[round(x, 3) for x in rewards]}")
     assert end > 2 * start and end > start + 0.1, rewards
+    assert rows[-1]["eval/reward_mean"] > start + 0.1, rows[-1]  # held-out prompts (test split), at the last step
     for key in ["timing_s/gen", "timing_s/ref", "timing_s/values", "timing_s/adv", "timing_s/update_actor",
                 "timing_s/update_critic", "timing_s/step", "perf/tokens_per_s", "response_length/mean",
                 "response_length/max", "response_length/clip_ratio", "actor/pg_loss", "actor/pg_clipfrac",

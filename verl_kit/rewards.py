@@ -17,6 +17,7 @@ import re
 
 import torch
 
+from verl_kit.advantages import truncation_penalty
 from verl_kit.errors import UserError
 from verl_kit.tiny import GOOD
 
@@ -87,6 +88,30 @@ def call_reward_fn(name: str, fn, prompts: list, completions: list[str]) -> torc
 def weighted_sum(scores: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
     """sum_k w_k * s_k over reward sources; each s_k (B,) -> (B,)."""
     return sum(w * s for w, s in zip(weights, scores))
+
+
+class Rewards:
+    """The run's sequence score: the reward functions (`specs`, comma-separated) and the optional reward model,
+    weighted (`weights`, comma-separated, in that order; default all 1) and summed, plus `missing_eos_penalty` for
+    responses cut at max length. Bad weights are a one-line UserError naming the flags."""
+
+    def __init__(self, specs: str | None, reward_model: RewardModel | None, weights: str | None,
+                 missing_eos_penalty: float = 0.0):
+        self.fns = [(s, load_reward_fn(s)) for s in (specs or "").split(",") if s.strip() not in ("", "none")]
+        self.reward_model, self.missing_eos_penalty = reward_model, missing_eos_penalty
+        n = len(self.fns) + bool(reward_model)
+        try:
+            self.weights = [float(w) for w in weights.split(",")] if weights else [1.0] * n
+        except ValueError:
+            raise UserError(f"--reward_weights {weights!r}: expected comma-separated numbers") from None
+        if n == 0 or len(self.weights) != n:
+            raise UserError(f"--reward_weights: {len(self.weights)} weight(s) for {n} reward source(s) "
+                            "(--reward_fn entries, then --reward_model_name_or_path)")
+
+    def __call__(self, prompts: list, completions: list[str], truncated: torch.Tensor) -> torch.Tensor:
+        sources = [call_reward_fn(name, fn, prompts, completions) for name, fn in self.fns]
+        sources += [self.reward_model.score(prompts, completions)] if self.reward_model else []
+        return truncation_penalty(weighted_sum(sources, self.weights), truncated, self.missing_eos_penalty)
 
 
 class RewardModel:

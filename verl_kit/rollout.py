@@ -145,3 +145,27 @@ class HFGenerateBackend:
         mask = (ended == 0) | (is_eos & (ended == 1))  # up to and including the first EOS
         response = response.masked_fill(~mask, pad)
         return Rollout(prompts_n, response, mask, logprobs.masked_fill(~mask, 0.0), ~is_eos.any(-1))
+
+
+@torch.no_grad()
+def evaluate(accelerator, engine, prompts: list[list[int]], raw_prompts: list, params: SamplingParams, score,
+             batch_size: int) -> dict:
+    """Mean score of the responses to held-out prompts (`score(raw_prompts, rollout) -> (B,)`, no KL term), the
+    prompts sharded over processes, `batch_size` per generate call. Every process makes the same calls (ZeRO-3
+    lockstep). The torch RNG is forked, so a run samples the same training rollouts with or without evaluation."""
+    from verl_kit.distributed import all_reduce_sum, shard
+
+    world, rank, n = accelerator.num_processes, accelerator.process_index, len(prompts)
+    mine = shard(n, rank, world)
+    total = torch.zeros(3, dtype=torch.float64)  # responses, score sum, response tokens
+    with torch.random.fork_rng():
+        for i in range(0, len(mine), batch_size):
+            idx = mine[i:i + batch_size]
+            ro = engine.generate([prompts[j] for j in idx], params)
+            scores = score([raw_prompts[j] for j in idx for _ in range(params.n)], ro).view(len(idx), params.n)
+            real = torch.tensor([rank + world * (i + k) < n for k in range(len(idx))])  # not shard()'s wrap-around
+            total += torch.tensor([float(real.sum()) * params.n, scores[real].sum().item(),
+                                   float(ro.response_mask.view(len(idx), params.n, -1)[real].sum())],
+                                  dtype=torch.float64)
+    count, s_sum, tokens = all_reduce_sum(accelerator, total.tolist())
+    return {"eval/reward_mean": s_sum / count, "eval/response_length": tokens / count}
