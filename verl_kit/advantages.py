@@ -57,6 +57,18 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv * mask
 
 
+def group_advantages(scores: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's advantage of each response (Shao et al. 2024, eq. 3, outcome supervision): its score minus the mean of
+    its group (the `group_size` responses to the same prompt, consecutive rows), divided by the group's standard
+    deviation (unbiased, + eps) when `scale` (False: Liu et al. 2025, "Dr. GRPO"). scores (B,) -> (B,); a group whose
+    scores are all equal gets 0."""
+    groups = scores.double().view(-1, group_size)
+    centred = groups - groups.mean(-1, keepdim=True)
+    if scale:
+        centred = centred / (groups.std(-1, keepdim=True) + eps)
+    return centred.view(-1).to(scores.dtype)
+
+
 def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(count, sum, sum of squares) of x over mask, float64 (3,). Sum these over ranks (all_reduce) before whiten()
     so that whitening does not depend on how the batch is split."""
