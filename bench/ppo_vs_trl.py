@@ -24,8 +24,9 @@ write_preference_data), as real prompt sets do; `uniform` are the embedded task'
 is no padding to save, so the two should be close. The headline `ppo_vs_trl` is `mixed`.
 
 Also printed: `ppo_vs_trl_grpo`, ours (defaults: log-probs recomputed, kind_words reward, critic from the policy)
-against TRL 1.16 GRPOTrainer (beta 0.04, no critic) on the embedded task. GRPO does less work per step (no value
-model, no critic update), so this is not like for like; it is there because GRPOTrainer is what the pinned TRL has.
+against TRL 1.16 GRPOTrainer (beta 0.04, no critic; bench/grpo_vs_trl.py's worker) on the embedded task. GRPO does
+less work per step (no value model, no critic update), so this is not like for like; the like-for-like GRPO
+comparison is bench/grpo_vs_trl.py.
 """
 
 from __future__ import annotations
@@ -89,14 +90,15 @@ def step_times(ends: list[float], warmup: int) -> list[float]:
     return [b - a for a, b in zip(ends, ends[1:])][max(warmup - 1, 0):]
 
 
-def run_ours(args, tag: str, extra: list[str]) -> dict:
+def run_ours(args, tag: str, extra: list[str], recipe: str = "ppo.py") -> dict:
     out = OUT / tag
-    cmd = [PYTHON, str(ROOT / "recipes" / "ppo.py"), "--model_name_or_path", args.model, "--output_dir", str(out),
+    one_update = ["--num_ppo_epochs", "1"] if recipe == "ppo.py" else ["--num_iterations", "1"]
+    cmd = [PYTHON, str(ROOT / "recipes" / recipe), "--model_name_or_path", args.model, "--output_dir", str(out),
            "--max_steps", str(args.warmup + args.steps), "--max_completion_length", str(LENGTH),
-           "--ignore_eos", "true", "--num_ppo_epochs", "1", "--num_mini_batches", "1",
+           "--ignore_eos", "true", *one_update, "--num_mini_batches", "1",
            "--per_device_train_batch_size", str(BATCH),
-           "--gradient_checkpointing", "false", "--learning_rate", "1e-5", "--critic_learning_rate", "1e-5",
-           "--logging_steps", "1", "--lr_scheduler_type", "constant", "--dataset_test_split", "none", *extra]
+           "--gradient_checkpointing", "false", "--learning_rate", "1e-5", "--logging_steps", "1",
+           "--lr_scheduler_type", "constant", "--dataset_test_split", "none", *extra]
     run(cmd, OUT / f"{tag}.log", args.timeout, prefix=f"[{tag}] ")
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -107,14 +109,34 @@ def run_ours(args, tag: str, extra: list[str]) -> dict:
             "timing": {k: median([r[k] for r in measured]) for k in measured[0] if k.startswith("timing_s/")}}
 
 
-def run_trl(args, tag: str, worker: str, extra: list[str], env: dict | None = None) -> dict:
+def run_trl(args, tag: str, worker: str, extra: list[str], env: dict | None = None,
+            script: Path = Path(__file__).resolve()) -> dict:
     out = OUT / tag
-    cmd = [PYTHON, str(Path(__file__).resolve()), worker, "--model", args.model, "--out", str(out),
+    cmd = [PYTHON, str(script), worker, "--model", args.model, "--out", str(out),
            "--steps", str(args.warmup + args.steps), *extra]
     run(cmd, OUT / f"{tag}.log", args.timeout, env=env, prefix=f"[{tag}] ")
     with open(out / "steps.json") as f:
         ends = json.load(f)["step_end_times"]
     return {"step_s": step_times(ends, args.warmup)}
+
+
+def compare_workloads(args, data: dict, results: dict, lines: list, key: str, peer: str, ours_fn, trl_fn) -> None:
+    """For each workload not in args.skip (mixed, then uniform; the order of ours and TRL alternates): run both,
+    store the figures in results[workload] and append the summary line (`key` for mixed, `key`_uniform)."""
+    for n, workload in enumerate(w for w in ("mixed", "uniform") if w not in args.skip):
+        jobs = [("ours", ours_fn), ("trl", trl_fn)]
+        got = {name: fn(f"{key}-{workload}-{name}", data[workload])
+               for name, fn in (jobs if n % 2 == 0 else jobs[::-1])}
+        ours, trl = median(got["ours"]["step_s"]), median(got["trl"]["step_s"])
+        gen = median([g / s for g, s in zip(got["ours"]["gen_s"], got["ours"]["inner_step_s"])])
+        results[workload] = {**got, "ours_step_s": ours, "trl_step_s": trl, "ours_generation_share": gen,
+                             "ratio": trl / ours}
+        print(f"{workload}: ours {ours:.2f}s/step (generation {100 * gen:.0f}%; "
+              + ", ".join(f"{k[9:]} {v:.2f}" for k, v in got["ours"]["timing"].items()) + f"), {peer} "
+              f"{trl:.2f}s/step", flush=True)
+        lines.append(summary_line(key if workload == "mixed" else f"{key}_uniform", trl / ours,
+                                  f"{workload} prompts: ours {ours:.2f}s/step vs {peer} {trl:.2f}s/step, "
+                                  f"ours gen share {gen:.2f}"))
 
 
 def main(argv=None):
@@ -135,29 +157,17 @@ def main(argv=None):
                 "TRL_EXPERIMENTAL_SILENCE": "1"}
     ppo_flags = ["--prompts_per_step", str(BATCH), "--num_generations", "1", "--reward_fn", "none",
                  "--reward_model_name_or_path", args.rm, "--critic_init", "reward", "--old_logprobs", "rollout",
-                 "--kl_coef", "0.05"]
+                 "--kl_coef", "0.05", "--critic_learning_rate", "1e-5"]
     results, lines = {"args": vars(args)}, []
-    for n, workload in enumerate(w for w in ("mixed", "uniform") if w not in args.skip):
-        path = data[workload]
-        jobs = [("ours", lambda t, path=path: run_ours(args, t, ppo_flags + ["--dataset_name", path])),
-                ("trl", lambda t, path=path: run_trl(args, t, "trl-ppo-worker", ["--rm", args.rm, "--data", path],
-                                                     side_env))]
-        got = {}
-        for name, fn in jobs if n % 2 == 0 else jobs[::-1]:
-            got[name] = fn(f"{workload}-{name}")
-        ours, trl = median(got["ours"]["step_s"]), median(got["trl"]["step_s"])
-        gen = median([g / s for g, s in zip(got["ours"]["gen_s"], got["ours"]["inner_step_s"])])
-        results[workload] = {**got, "ours_step_s": ours, "trl_step_s": trl, "ours_generation_share": gen,
-                             "ratio": trl / ours}
-        print(f"{workload}: ours {ours:.2f}s/step (generation {100 * gen:.0f}%; "
-              + ", ".join(f"{k[9:]} {v:.2f}" for k, v in got["ours"]["timing"].items()) + f"), TRL PPOTrainer "
-              f"{trl:.2f}s/step", flush=True)
-        key = "ppo_vs_trl" if workload == "mixed" else "ppo_vs_trl_uniform"
-        lines.append(summary_line(key, trl / ours, f"{workload} prompts: ours {ours:.2f}s/step vs TRL 1.12 "
-                                  f"PPOTrainer {trl:.2f}s/step, ours gen share {gen:.2f}"))
+    compare_workloads(
+        args, data, results, lines, "ppo_vs_trl", "TRL 1.12 PPOTrainer",
+        lambda t, path: run_ours(args, t, ppo_flags + ["--dataset_name", path]),
+        lambda t, path: run_trl(args, t, "trl-ppo-worker", ["--rm", args.rm, "--data", path], side_env))
     if "grpo" not in args.skip:
-        ours = run_ours(args, "grpo-ours", ["--prompts_per_step", "16", "--num_generations", "4", "--kl_coef", "0.04"])
-        trl = run_trl(args, "grpo-trl", "trl-grpo-worker", [])
+        ours = run_ours(args, "ppo-defaults-ours", ["--prompts_per_step", "16", "--num_generations", "4",
+                                                    "--kl_coef", "0.04", "--critic_learning_rate", "1e-5"])
+        trl = run_trl(args, "grpo-trl-embedded", "trl-grpo-worker", ["--data", data["uniform"]],
+                      script=ROOT / "bench" / "grpo_vs_trl.py")
         o, t = median(ours["step_s"]), median(trl["step_s"])
         results["grpo"] = {"ours": ours, "trl": trl, "ours_step_s": o, "trl_step_s": t, "ratio": t / o}
         lines.append(summary_line("ppo_vs_trl_grpo", t / o, f"embedded task, ours PPO defaults {o:.2f}s/step vs TRL "
@@ -229,36 +239,8 @@ def trl_ppo_worker(argv):
     _save_ends(a.out, ends)
 
 
-def trl_grpo_worker(argv):
-    a = _worker_args(argv)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    from verl_kit.data import load_split
-    from verl_kit.rewards import kind_words
-    from verl_kit.tiny import TINY_PREFS
-
-    def kind(prompts, completions, **_):  # conversational completions arrive as [{"role", "content"}]
-        return kind_words(prompts, [c[0]["content"] if isinstance(c, list) else c for c in completions])
-
-    ds = load_split(TINY_PREFS, "train").select_columns(["prompt"])
-    config = GRPOConfig(
-        output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=BATCH, num_generations=4,
-        max_completion_length=LENGTH, generation_kwargs={"min_new_tokens": LENGTH}, gradient_accumulation_steps=1,
-        num_iterations=1, beta=0.04, learning_rate=1e-5, lr_scheduler_type="constant", temperature=1.0, top_p=1.0,
-        use_cpu=True, bf16=False, gradient_checkpointing=False, logging_steps=1, save_strategy="no",
-        report_to="none", disable_tqdm=True, seed=42, dataloader_num_workers=0)
-    ends = []
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(a.model, dtype="float32"), reward_funcs=kind,
-                          args=config, train_dataset=ds, processing_class=AutoTokenizer.from_pretrained(a.model),
-                          callbacks=[_clock(ends)])
-    trainer.train()
-    _save_ends(a.out, ends)
-
-
 if __name__ == "__main__":
-    workers = {"trl-ppo-worker": trl_ppo_worker, "trl-grpo-worker": trl_grpo_worker}
-    if len(sys.argv) > 1 and sys.argv[1] in workers:
-        workers[sys.argv[1]](sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "trl-ppo-worker":
+        trl_ppo_worker(sys.argv[2:])
     else:
         main()

@@ -23,13 +23,19 @@ import torch
 from verl_kit.actor_critic import Trainable, actor_logits, frozen, pack_responses
 from verl_kit.advantages import group_advantages, kl_estimate
 from verl_kit.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from verl_kit.config import TrainConfig, parse_args
+from verl_kit.config import parse_args
 from verl_kit.data import load_split
-from verl_kit.distributed import all_reduce_max, all_reduce_sum, destroy, make_accelerator, step_indices
+from verl_kit.distributed import (
+    all_reduce_max,
+    all_reduce_sum,
+    destroy,
+    lockstep_micro_batches,
+    make_accelerator,
+    step_indices,
+)
 from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger, check_writable, setup_logging
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask
-from verl_kit.packing import split_by_tokens
 from verl_kit.ppo_losses import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -38,28 +44,15 @@ from verl_kit.ppo_losses import (
     token_mean_share,
 )
 from verl_kit.rewards import Rewards, load_reward_model
-from verl_kit.rollout import HFGenerateBackend, SamplingParams, evaluate, load_prompts
-from verl_kit.vllm_rollout import RolloutConfig, make_backend
+from verl_kit.rollout import evaluate, load_prompts
+from verl_kit.vllm_rollout import OnlineConfig, rollout_backend
 
 logger = logging.getLogger("verl_kit")
 
 
 @dataclass
-class GRPOConfig(TrainConfig, RolloutConfig):
-    prompts_per_step: int = field(default=32, metadata={"help": "prompts per step over all processes"})
+class GRPOConfig(OnlineConfig):
     num_generations: int = field(default=4, metadata={"help": "responses sampled per prompt (the group), >= 2"})
-    max_completion_length: int = field(default=16, metadata={"help": "max new tokens per response"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (also applied to log-probs)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling; 1.0 keeps every token"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling; 0 keeps every token"})
-    ignore_eos: bool = field(default=False, metadata={"help": "always generate max_completion_length (benchmarks)"})
-    reward_fn: str | None = field(default="verl_kit.rewards:kind_words", metadata={
-        "help": "comma-separated reward functions, module:function or path/to/file.py:function"})
-    reward_model_name_or_path: str | None = field(default=None, metadata={
-        "help": "HF sequence-classification reward model (its own tokenizer and chat template)"})
-    reward_weights: str | None = field(default=None, metadata={
-        "help": "comma-separated weights, one per reward_fn then the reward model; default all 1"})
-    missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of responses without EOS"})
     scale_rewards: bool = field(default=True, metadata={
         "help": "divide advantages by the group's std (false: Dr. GRPO, centring only)"})
     beta: float = field(default=0.04, metadata={"help": "KL(policy || reference) coefficient in the loss (k3); "
@@ -67,25 +60,18 @@ class GRPOConfig(TrainConfig, RolloutConfig):
     num_iterations: int = field(default=1, metadata={"help": "passes over each rollout batch"})
     num_mini_batches: int = field(default=1, metadata={"help": "optimizer steps per pass"})
     cliprange: float = field(default=0.2, metadata={"help": "policy ratio clip epsilon"})
-    old_logprobs: str = field(default="recompute", metadata={
-        "help": "with more than one update per rollout: recompute (an actor forward) or rollout (sampling log-probs)"})
 
 
 @main_guard
 def main():
     cfg = parse_args(GRPOConfig)
-    if cfg.old_logprobs not in ("recompute", "rollout"):
-        raise UserError(f"--old_logprobs: {cfg.old_logprobs!r} is not one of recompute, rollout")
     if cfg.num_generations < 2:
         raise UserError(f"--num_generations {cfg.num_generations}: GRPO compares responses within a group, use >= 2")
     accelerator = make_accelerator(cfg)
     setup_logging(accelerator.is_main_process)
     check_writable(cfg.output_dir)
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-    if cfg.prompts_per_step % world:
-        raise UserError(f"--prompts_per_step {cfg.prompts_per_step} must be a multiple of the {world} processes")
-    if cfg.old_logprobs == "rollout" and (cfg.top_p < 1.0 or cfg.top_k > 0):  # truncated sampling != the policy
-        raise UserError("--old_logprobs rollout needs --top_p 1.0 and --top_k 0 (else sampling log-probs differ)")
+    cfg.check(world)
 
     # ---- data, models, rewards -----------------------------------------------------------------------------------
     model_path = resolve_model_path(cfg.model_name_or_path)
@@ -111,14 +97,9 @@ def main():
         cfg.per_device_eval_batch_size)
     reward = Rewards(cfg.reward_fn, reward_model or None, cfg.reward_weights, cfg.missing_eos_penalty)
 
-    dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-    if cfg.rollout == "hf":
-        rollout_engine = HFGenerateBackend(accelerator.unwrap_model(actor.model), tokenizer, device, dtype)
-    else:  # vLLM engine per process or server; load_weights syncs it and checks it on a probe batch (weight_sync.py)
-        rollout_engine = make_backend(cfg, model_path, tokenizer, rank, world, dtype, prompts[:cfg.vllm_probe_size],
-                                      cfg.max_length, cfg.seed)
-    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length, cfg.num_generations,
-                              cfg.ignore_eos)
+    rollout_engine = rollout_backend(cfg, accelerator, accelerator.unwrap_model(actor.model), model_path, tokenizer,
+                                     prompts[:cfg.vllm_probe_size])  # HF generate, vLLM engine or vLLM server
+    sampling = cfg.sampling()
 
     resume = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
     start = load_checkpoint(accelerator, resume)["step"] if resume else 0
@@ -128,12 +109,8 @@ def main():
     one_update = cfg.num_iterations * cfg.num_mini_batches == 1  # then old log-probs = this forward's, detached
 
     def micro_batches(items: list[int], costs: list[int]) -> list[list[int]]:
-        """Token-budget micro-batches; every process runs the same number (ZeRO-3 runs forward passes in lockstep)."""
-        if cfg.max_tokens_per_microbatch:
-            n = all_reduce_max(accelerator, len(split_by_tokens(costs, cfg.max_tokens_per_microbatch)))
-            return [[items[i] for i in c] for c in split_by_tokens(costs, None, n_chunks=n)]
-        B = cfg.per_device_train_batch_size
-        return [items[i:i + B] for i in range(0, len(items), B)]
+        return lockstep_micro_batches(accelerator, items, costs, cfg.max_tokens_per_microbatch,
+                                      cfg.per_device_train_batch_size)
 
     def packed(ro, rows_):
         return pack_responses(ro.prompt_ids, ro.response_ids, ro.response_mask, rows_, pad, cfg.packing,

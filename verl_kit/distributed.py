@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from verl_kit.packing import split_by_tokens
+
 logger = logging.getLogger(__name__)
 
 
@@ -139,3 +141,14 @@ def param_counts(model) -> tuple[int, int]:
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     return local, total
+
+
+def lockstep_micro_batches(accelerator, items: list, costs: list[int], max_tokens: int | None,
+                           batch_size: int) -> list[list]:
+    """Split `items` into micro-batches: by token budget (`costs` per item, at most `max_tokens` summed, in as many
+    balanced chunks as the busiest process needs, so every process runs the same number: ZeRO-3 runs forward
+    passes in lockstep), or `batch_size` items at a time when max_tokens is None."""
+    if max_tokens:
+        n = all_reduce_max(accelerator, len(split_by_tokens(costs, max_tokens)))
+        return [[items[i] for i in c] for c in split_by_tokens(costs, None, n_chunks=n)]
+    return [items[i:i + batch_size] for i in range(0, len(items), batch_size)]

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verl_kit.config import TrainConfig
 from verl_kit.errors import UserError
-from verl_kit.rollout import Rollout, SamplingParams
+from verl_kit.rollout import HFGenerateBackend, Rollout, SamplingParams
 from verl_kit.weight_sync import (
     WORKER_EXTENSION,
     all_reduce_max,
@@ -410,6 +411,51 @@ class RolloutConfig:
         "help": "prompts scored by engine and trainer after each sync (0: no probe)"})
     vllm_probe_threshold: float = field(default=1.0, metadata={
         "help": "stop when the probe's max |logprob difference| exceeds this"})
+
+
+@dataclass
+class OnlineConfig(TrainConfig, RolloutConfig):
+    """Flags the online recipes (PPO, GRPO) share: prompts and sampling, rewards, old log-probs, rollout backend."""
+
+    prompts_per_step: int = field(default=32, metadata={"help": "prompts per step over all processes"})
+    num_generations: int = field(default=2, metadata={"help": "responses sampled per prompt"})
+    max_completion_length: int = field(default=16, metadata={"help": "max new tokens per response"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (also applied to log-probs)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling; 1.0 keeps every token"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling; 0 keeps every token"})
+    ignore_eos: bool = field(default=False, metadata={"help": "always generate max_completion_length (benchmarks)"})
+    reward_fn: str | None = field(default="verl_kit.rewards:kind_words", metadata={
+        "help": "comma-separated reward functions, module:function or path/to/file.py:function"})
+    reward_model_name_or_path: str | None = field(default=None, metadata={
+        "help": "HF sequence-classification reward model (its own tokenizer and chat template)"})
+    reward_weights: str | None = field(default=None, metadata={
+        "help": "comma-separated weights, one per reward_fn then the reward model; default all 1"})
+    missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of responses without EOS"})
+    old_logprobs: str = field(default="recompute", metadata={
+        "help": "recompute: an actor forward before the update; rollout: the sampling log-probs (as TRL's PPOTrainer)"})
+
+    def check(self, world: int) -> None:
+        """One-line UserErrors for the online flags (after parsing; `world` = number of processes)."""
+        if self.old_logprobs not in ("recompute", "rollout"):
+            raise UserError(f"--old_logprobs: {self.old_logprobs!r} is not one of recompute, rollout")
+        if self.old_logprobs == "rollout" and (self.top_p < 1.0 or self.top_k > 0):  # truncated != the policy
+            raise UserError("--old_logprobs rollout needs --top_p 1.0 and --top_k 0 (else sampling log-probs differ)")
+        if self.prompts_per_step % world:
+            raise UserError(f"--prompts_per_step {self.prompts_per_step} must be a multiple of the {world} processes")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_completion_length,
+                              self.num_generations, self.ignore_eos)
+
+
+def rollout_backend(cfg: OnlineConfig, accelerator, actor, model_path: str, tokenizer, probe_prompts: list[list[int]]):
+    """The `--rollout` backend for an unwrapped `actor`: HF generate on a plain copy, a vLLM engine per process, or a
+    vLLM server (make_backend); in bf16 when training is."""
+    dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+    if cfg.rollout == "hf":
+        return HFGenerateBackend(actor, tokenizer, accelerator.device, dtype)
+    return make_backend(cfg, model_path, tokenizer, accelerator.process_index, accelerator.num_processes, dtype,
+                        probe_prompts, cfg.max_length, cfg.seed)
 
 
 def make_backend(cfg: RolloutConfig, model_path: str, tokenizer, rank: int, world: int, dtype: torch.dtype,
