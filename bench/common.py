@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import statistics
 import subprocess
@@ -137,6 +138,68 @@ def process_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class StepCPUMarks:
+    """CPU seconds of each step of a recipe run: pass `on_line` to run(); the recipe logs every step right after
+    timing it, so the child's CPU clock read when its `INFO step N:` line arrives closes step N (step 1's baseline is
+    the recipe's step-0 line, if any). A step whose line was not seen gets NaN."""
+
+    STEP_LINE = re.compile(r"INFO step (\d+):")
+
+    def __init__(self):
+        self.marks: dict[int, float] = {}
+
+    def on_line(self, line: str, pid: int) -> None:
+        m = self.STEP_LINE.search(line)
+        if m:
+            self.marks[int(m.group(1))] = process_cpu_s(pid)
+
+    def per_step(self, steps: list[int], tag: str = "") -> list[float]:
+        nan = float("nan")
+        cpu = [self.marks.get(s, nan) - self.marks.get(s - 1, nan) for s in steps]
+        if steps and all(c != c for c in cpu[1:]):
+            print(f"WARNING: {tag}: no per-step CPU times (no 'INFO step N:' lines in the recipe's output)", flush=True)
+        return cpu
+
+
+def trl_step_timer():
+    """A TrainerCallback recording the wall and process-CPU clocks at train begin and every step end; its
+    `step_times()` and `step_cpu()` give each step's seconds, end to end (data fetch and collation included)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.ends, self.cpu = [], []
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.ends, self.cpu = [time.perf_counter()], [time.process_time()]
+
+        def on_step_end(self, args, state, control, **kw):
+            self.ends.append(time.perf_counter())
+            self.cpu.append(time.process_time())
+
+        def step_times(self) -> list[float]:
+            return [b - a for a, b in zip(self.ends, self.ends[1:])]
+
+        def step_cpu(self) -> list[float]:
+            return [b - a for a, b in zip(self.cpu, self.cpu[1:])]
+
+    return StepTimer()
+
+
+def measured(runs: list[dict], warmup: int) -> dict:
+    """Medians over the measured steps of all runs of one configuration (each run: step_time_s, step_cpu_s and
+    tokens per step): non-pad tokens per wall second and per CPU second (single-threaded processes, so the latter
+    is the rate on an idle core)."""
+    wall, cpu, times = [], [], []
+    for r in runs:
+        for t, c, n in list(zip(r["step_time_s"], r["step_cpu_s"], r["tokens"]))[warmup:]:
+            wall.append(n / t)
+            cpu.append(n / c)
+            times.append(t)
+    return {"tokens_per_cpu_s": median(cpu), "tokens_per_s": median(wall), "step_time_s": median(times),
+            "measured_steps": len(wall), "tokens_per_cpu_s_all": cpu, "tokens_per_s_all": wall}
 
 
 def loopback_netns(cmd: list[str]) -> list[str]:

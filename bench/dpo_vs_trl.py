@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import sys
 import time
@@ -33,14 +32,15 @@ from common import (  # noqa: E402
     PYTHON,
     RESULTS,
     ROOT,
+    StepCPUMarks,
     build_model,
     count_parameters,
     loopback_netns,
-    median,
-    process_cpu_s,
+    measured,
     run,
     save_results,
     summary_line,
+    trl_step_timer,
     write_preference_data,
 )
 
@@ -90,26 +90,13 @@ def run_ours(args, model_dir: str, data: Path, packing: bool, tag: str) -> dict:
            *[x for k, v in HYPER.items() for x in (f"--{k}", str(v))]]
     if os.path.exists(out_dir / "metrics.jsonl"):
         os.remove(out_dir / "metrics.jsonl")
-    # The recipe logs every step right after timing it; the child's CPU clock read when that line arrives gives the
-    # CPU seconds of each step (the first step's baseline is the recipe's step-0 line, if any).
-    cpu_marks = {}
-    step_line = re.compile(r"INFO step (\d+):")
-
-    def mark(line, pid):
-        m = step_line.search(line)
-        if m:
-            cpu_marks[int(m.group(1))] = process_cpu_s(pid)
-
+    marks = StepCPUMarks()
     load0 = os.getloadavg()[0]
-    wall = run(cmd, OUT / "logs" / f"{tag}.log", args.run_timeout_s, prefix=f"[{tag}] ", on_line=mark)
+    wall = run(cmd, OUT / "logs" / f"{tag}.log", args.run_timeout_s, prefix=f"[{tag}] ", on_line=marks.on_line)
     with open(out_dir / "metrics.jsonl") as f:
-        rows = [r for r in map(json.loads, f) if "step_time_s" in r]
-    rows.sort(key=lambda r: r["step"])
-    nan = float("nan")  # a step whose log line was not seen (format changed?) has no CPU figure
-    cpu = [cpu_marks.get(r["step"], nan) - cpu_marks.get(r["step"] - 1, nan) for r in rows]
-    if rows and all(c != c for c in cpu[args.warmup:]):
-        print(f"WARNING: {tag}: no per-step CPU times (no 'INFO step N:' lines in the recipe's output)", flush=True)
-    return {"step_time_s": [r["step_time_s"] for r in rows], "step_cpu_s": cpu,
+        rows = sorted((r for r in map(json.loads, f) if "step_time_s" in r), key=lambda r: r["step"])
+    return {"step_time_s": [r["step_time_s"] for r in rows], "step_cpu_s": marks.per_step([r["step"] for r in rows],
+                                                                                           tag),
             "tokens": [int(r["tokens"]) for r in rows], "wall_s": wall, "loadavg_before": load0,
             "loadavg_after": os.getloadavg()[0]}
 
@@ -124,19 +111,6 @@ def run_trl(args, model_dir: str, data: Path, tag: str) -> dict:
     with open(out_json) as f:
         res = json.load(f)
     return {**res, "wall_s": wall, "loadavg_before": load0, "loadavg_after": os.getloadavg()[0]}
-
-
-def measured(runs: list[dict], warmup: int) -> dict:
-    """Medians over the measured steps of all runs of one configuration: non-pad tokens per wall second and per
-    CPU second (single-threaded processes, so the latter is the rate on an idle core)."""
-    wall, cpu, times = [], [], []
-    for r in runs:
-        for t, c, n in list(zip(r["step_time_s"], r["step_cpu_s"], r["tokens"]))[warmup:]:
-            wall.append(n / t)
-            cpu.append(n / c)
-            times.append(t)
-    return {"tokens_per_cpu_s": median(cpu), "tokens_per_s": median(wall), "step_time_s": median(times),
-            "measured_steps": len(wall), "tokens_per_cpu_s_all": cpu, "tokens_per_s_all": wall}
 
 
 def state_bytes(args, model_dir: str) -> dict:
@@ -267,21 +241,8 @@ def trl_worker(argv):
 
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
-
-    class StepTimer(TrainerCallback):
-        """Wall time of each optimizer step, end to end (data fetch and collation included, as in recipes/dpo.py)."""
-
-        def __init__(self):
-            self.ends, self.cpu = [], []
-
-        def on_train_begin(self, args, state, control, **kw):
-            self.ends, self.cpu = [time.perf_counter()], [time.process_time()]
-
-        def on_step_end(self, args, state, control, **kw):
-            self.ends.append(time.perf_counter())
-            self.cpu.append(time.process_time())
 
     class CountingDPOTrainer(DPOTrainer):
         """Records the real (attention-mask) and laid-out token counts of every batch; nothing else changes."""
@@ -306,11 +267,10 @@ def trl_worker(argv):
         eval_strategy="no", report_to="none", disable_tqdm=True,
     )
     train = datasets.load_dataset("json", data_files={"train": a.data}, split="train")
-    timer = StepTimer()
+    timer = trl_step_timer()
     trainer = CountingDPOTrainer(model=model, args=cfg, train_dataset=train, processing_class=tok, callbacks=[timer])
     trainer.train()
-    times = [b - e for e, b in zip(timer.ends, timer.ends[1:])]
-    cpu = [b - e for e, b in zip(timer.cpu, timer.cpu[1:])]
+    times, cpu = timer.step_times(), timer.step_cpu()
     counts = trainer.batch_counts
     with open(a.out, "w") as f:
         json.dump({"step_time_s": times, "step_cpu_s": cpu, "tokens": [c[0] for c in counts],

@@ -11,9 +11,11 @@ precomputed reference log-probs (target and KL sequences), so a step is a forwar
 and backward of the target sequences plus an AdamW step on both sides. The KL sequences differ in pairing only: TRL
 rotates completions within the batch, ours pairs each example with a fixed other one; each side counts its own
 non-pad tokens of target + KL sequences.
-Runs alternate (ours padded, TRL, ours packed, then the reverse), every run skips `--warmup` steps, and the figure
-reported is the median over all measured steps of non-pad tokens / step wall time. TRL 1.16's KTOTrainer has no
-padding-free path, so TRL runs padded in both comparisons.
+Runs alternate (ours padded, TRL, ours packed, then the reverse), every run skips `--warmup` steps. As in the DPO
+bench, each process runs one compute thread and the ratios use the median over all measured steps of non-pad tokens
+per CPU second of the step (the rate on an idle core: on a shared machine the wall clock mostly measures the other
+jobs); tokens per wall second are printed and saved too. TRL 1.16's KTOTrainer has no padding-free path, so TRL runs
+padded in both comparisons.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ from common import (  # noqa: E402
     PYTHON,
     RESULTS,
     ROOT,
+    StepCPUMarks,
     build_model,
     count_parameters,
-    median,
+    measured,
     run,
     save_results,
     summary_line,
+    trl_step_timer,
     write_preference_data,
 )
 
@@ -78,12 +82,15 @@ def run_ours(args, model_dir: str, data: Path, packing: bool, tag: str) -> dict:
            "--max_prompt_length", "256", *[x for k, v in HYPER.items() for x in (f"--{k}", str(v))]]
     if os.path.exists(out_dir / "metrics.jsonl"):
         os.remove(out_dir / "metrics.jsonl")
+    marks = StepCPUMarks()
     load0 = os.getloadavg()[0]
-    wall = run(cmd, OUT / "logs" / f"{tag}.log", args.run_timeout_s, prefix=f"[{tag}] ")
+    wall = run(cmd, OUT / "logs" / f"{tag}.log", args.run_timeout_s, prefix=f"[{tag}] ", on_line=marks.on_line)
     with open(out_dir / "metrics.jsonl") as f:
         rows = sorted((r for r in map(json.loads, f) if "step_time_s" in r), key=lambda r: r["step"])
-    return {"step_time_s": [r["step_time_s"] for r in rows], "tokens": [int(r["tokens"]) for r in rows],
-            "wall_s": wall, "loadavg_before": load0, "loadavg_after": os.getloadavg()[0]}
+    return {"step_time_s": [r["step_time_s"] for r in rows], "step_cpu_s": marks.per_step([r["step"] for r in rows],
+                                                                                           tag),
+            "tokens": [int(r["tokens"]) for r in rows], "wall_s": wall, "loadavg_before": load0,
+            "loadavg_after": os.getloadavg()[0]}
 
 
 def run_trl(args, model_dir: str, data: Path, tag: str) -> dict:
@@ -96,17 +103,6 @@ def run_trl(args, model_dir: str, data: Path, tag: str) -> dict:
     with open(out_json) as f:
         res = json.load(f)
     return {**res, "wall_s": wall, "loadavg_before": load0, "loadavg_after": os.getloadavg()[0]}
-
-
-def measured(runs: list[dict], warmup: int) -> dict:
-    """Median over the measured steps of all runs of one configuration."""
-    tps, times = [], []
-    for r in runs:
-        for t, n in list(zip(r["step_time_s"], r["tokens"]))[warmup:]:
-            tps.append(n / t)
-            times.append(t)
-    return {"tokens_per_s": median(tps), "step_time_s": median(times), "measured_steps": len(tps),
-            "tokens_per_s_all": tps}
 
 
 def main(argv=None):
@@ -155,9 +151,11 @@ def main(argv=None):
     results = {"config": {**vars(args), **HYPER, "parameters": n_params, "model": model_dir, "data": data_stats},
                "ours_padded": measured(runs["ours_padded"], w), "ours_packed": measured(runs["ours_packed"], w),
                "trl_padded": measured(runs["trl"], w), "runs": runs}
-    trl_tps = results["trl_padded"]["tokens_per_s"]
-    results["kto_padded_vs_trl"] = results["ours_padded"]["tokens_per_s"] / trl_tps
-    results["kto_packed_vs_trl"] = results["ours_packed"]["tokens_per_s"] / trl_tps
+    trl_tps = results["trl_padded"]["tokens_per_cpu_s"]
+    results["kto_padded_vs_trl"] = results["ours_padded"]["tokens_per_cpu_s"] / trl_tps
+    results["kto_packed_vs_trl"] = results["ours_packed"]["tokens_per_cpu_s"] / trl_tps
+    wall = {k: results[f"ours_{k}"]["tokens_per_s"] / results["trl_padded"]["tokens_per_s"] for k in ("padded",
+                                                                                                       "packed")}
     results["bench_wall_s"] = time.time() - t_start
     path = save_results("kto_vs_trl", results)
 
@@ -165,11 +163,13 @@ def main(argv=None):
           f"{args.steps} measured steps (+{w} warm-up), median sequence {data_stats['median_tokens']} tokens ==")
     for key in ("ours_padded", "ours_packed", "trl_padded"):
         r = results[key]
-        print(f"{key:12s} {r['tokens_per_s']:8.1f} non-pad tokens/s  step {r['step_time_s']:.2f}s  "
-              f"({r['measured_steps']} steps)")
+        print(f"{key:12s} {r['tokens_per_cpu_s']:8.1f} non-pad tokens/CPU-s  {r['tokens_per_s']:8.1f} tokens/wall-s  "
+              f"step {r['step_time_s']:.2f}s  ({r['measured_steps']} steps)")
     print(f"results: {path.relative_to(ROOT)}  ({results['bench_wall_s']:.0f}s)")
-    print(summary_line("kto_padded_vs_trl", results["kto_padded_vs_trl"], "padding on both sides"))
-    print(summary_line("kto_vs_trl", results["kto_packed_vs_trl"], "ours packed vs TRL padded; target >= 1.5"))
+    print(summary_line("kto_padded_vs_trl", results["kto_padded_vs_trl"],
+                       f"(wall {wall['padded']:.3f})  padding on both sides"))
+    print(summary_line("kto_vs_trl", results["kto_packed_vs_trl"],
+                       f"(wall {wall['packed']:.3f})  ours packed vs TRL padded; target >= 1.5"))
 
 
 # ---- TRL side: a KTOTrainer run timed by a callback -----------------------------------------------------------------
@@ -186,20 +186,8 @@ def trl_worker(argv):
 
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import KTOConfig, KTOTrainer
-
-    class StepTimer(TrainerCallback):
-        """Wall time of each optimizer step, end to end (data fetch and collation included, as in recipes/kto.py)."""
-
-        def __init__(self):
-            self.ends = []
-
-        def on_train_begin(self, args, state, control, **kw):
-            self.ends = [time.perf_counter()]
-
-        def on_step_end(self, args, state, control, **kw):
-            self.ends.append(time.perf_counter())
 
     class CountingKTOTrainer(KTOTrainer):
         """Records the real (attention-mask) token counts of the target and KL sequences; nothing else changes."""
@@ -224,13 +212,14 @@ def trl_worker(argv):
         eval_strategy="no", report_to="none", disable_tqdm=True,
     )
     train = datasets.load_dataset("json", data_files={"train": a.data}, split="train")
-    timer = StepTimer()
+    timer = trl_step_timer()
     trainer = CountingKTOTrainer(model=model, args=cfg, train_dataset=train, processing_class=tok, callbacks=[timer])
     trainer.train()
-    times = [b - e for e, b in zip(timer.ends, timer.ends[1:])]
+    times = timer.step_times()
     by_example = [c[0] for c in trainer.counts]
     with open(a.out, "w") as f:
-        json.dump({"step_time_s": times, "tokens": [sum(t) + kl for t, kl in trainer.counts],
+        json.dump({"step_time_s": times, "step_cpu_s": timer.step_cpu(),
+                   "tokens": [sum(t) + kl for t, kl in trainer.counts],
                    "target_tokens": [sum(t) for t in by_example], "kl_tokens": [kl for _, kl in trainer.counts]}, f)
     print(f"trl: {len(times)} steps, step times {[round(t, 2) for t in times]}")
 
