@@ -25,7 +25,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 DEMO ?= recipes/ppo.py
 
-# The main job on the embedded default: PPO; `make demo DEMO=recipes/dpo.py` (or kto.py) for the others.
+# The main job on the embedded default: PPO; `make demo DEMO=recipes/dpo.py` (or kto.py, grpo.py) for the others.
 demo: install
 	$(PY) $(DEMO) --config recipes/configs/$(basename $(notdir $(DEMO)))_tiny.yaml --output_dir outputs/demo
 
