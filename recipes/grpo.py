@@ -39,9 +39,9 @@ from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_m
 from verl_kit.ppo_losses import (
     entropy_from_logits,
     logprobs_from_logits,
+    loss_weights,
     policy_clipped,
     policy_loss,
-    token_mean_share,
 )
 from verl_kit.rewards import Rewards, load_reward_model
 from verl_kit.rollout import evaluate, load_prompts
@@ -60,11 +60,15 @@ class GRPOConfig(OnlineConfig):
     num_iterations: int = field(default=1, metadata={"help": "passes over each rollout batch"})
     num_mini_batches: int = field(default=1, metadata={"help": "optimizer steps per pass"})
     cliprange: float = field(default=0.2, metadata={"help": "policy ratio clip epsilon"})
+    loss_type: str = field(default="token", metadata={
+        "help": "loss reduction: token (mean over all tokens), sequence (mean of per-response means) or dr_grpo"})
 
 
 @main_guard
 def main():
     cfg = parse_args(GRPOConfig)
+    if cfg.loss_type not in ("token", "sequence", "dr_grpo"):
+        raise UserError(f"--loss_type: {cfg.loss_type!r} is not one of token, sequence, dr_grpo")
     if cfg.num_generations < 2:
         raise UserError(f"--num_generations {cfg.num_generations}: GRPO compares responses within a group, use >= 2")
     accelerator = make_accelerator(cfg)
@@ -174,7 +178,7 @@ def main():
             size = -(-B // cfg.num_mini_batches)
             for mb in [perm[i:i + size] for i in range(0, B, size)]:
                 mb_chunks = micro_batches(mb, [costs[i] for i in mb])
-                n_tok = all_reduce_sum(accelerator, [float(lengths[mb].sum())])[0]  # minibatch tokens, all ranks
+                n_tok, n_seq_mb = all_reduce_sum(accelerator, [float(lengths[mb].sum()), float(len(mb))])  # all ranks
                 t0 = time.time()
                 for j, rows_ in enumerate(mb_chunks):
                     batch, ix = packed(ro, rows_)
@@ -185,8 +189,9 @@ def main():
                     loss = policy_loss(logprobs, old, adv, cfg.cliprange)
                     kl = (kl_estimate(logprobs, ref_logprobs[ix.row, ix.pos].to(device), "k3") if ref is not None
                           else torch.zeros_like(logprobs))
-                    # token mean over the minibatch on all ranks (see ppo_losses.token_mean_share)
-                    actor.backward(token_mean_share(loss + cfg.beta * kl, n_tok, world), last=j == len(mb_chunks) - 1)
+                    # this micro-batch's share of the minibatch loss on all ranks (ppo_losses.loss_weights)
+                    w = loss_weights(cfg.loss_type, lengths[ix.row], n_tok, n_seq_mb, cfg.max_completion_length)
+                    actor.backward(((loss + cfg.beta * kl) * w.to(device)).sum() * world, last=j == len(mb_chunks) - 1)
                     with torch.no_grad():
                         sums += torch.tensor([len(loss), loss.sum().item(),
                                               policy_clipped(logprobs, old, adv, cfg.cliprange).sum().item(),

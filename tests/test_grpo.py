@@ -6,6 +6,7 @@ import torch
 from helpers import launch_cmd, load_weights, metrics, recipe_cmd, run, run_until
 
 from verl_kit.advantages import group_advantages
+from verl_kit.ppo_losses import loss_weights
 
 TINY = "recipes/configs/grpo_tiny.yaml"
 
@@ -23,6 +24,25 @@ def test_group_advantages_by_hand():
     b = 0.5 / (0.5 ** 0.5 + 1e-4)
     torch.testing.assert_close(group_advantages(scores, 2), torch.tensor([b, -b, -b, b, 0, 0, 0, 0]))
     assert abs(b - 0.70700) < 1e-5
+
+
+def test_loss_weights_by_hand_and_split_invariant():
+    """Two responses of 1 and 3 tokens with per-token losses [4] and [1, 2, 3], max_len 4.
+    token:    (4 + 1 + 2 + 3) / 4 tokens = 2.5
+    sequence: (4 / 1 + 6 / 3) / 2 responses = 3.0
+    dr_grpo:  (4 + 1 + 2 + 3) / (2 responses * 4) = 1.25
+    and the same sums when the 4 tokens are split over 2 ranks and micro-batches (each rank's share times world=2,
+    then averaged over ranks, as DDP/DeepSpeed do)."""
+    loss = torch.tensor([4.0, 1.0, 2.0, 3.0])
+    row_len = torch.tensor([1, 3, 3, 3])
+    for kind, want in (("token", 2.5), ("sequence", 3.0), ("dr_grpo", 1.25)):
+        w = loss_weights(kind, row_len, global_tokens=4, global_seqs=2, max_len=4)
+        assert float((loss * w).sum()) == pytest.approx(want)
+        ranks = [[[0], [1]], [[2, 3]]]  # rank 0: two micro-batches, rank 1: one
+        shares = [sum(float((loss[c] * w[c]).sum()) * 2 for c in chunks) for chunks in ranks]
+        assert sum(shares) / 2 == pytest.approx(want)
+    with pytest.raises(ValueError, match="loss_type 'mean'"):
+        loss_weights("mean", row_len, 4, 2, 4)
 
 
 @pytest.mark.slow
@@ -50,14 +70,15 @@ def test_grpo_learns_embedded_task(tmp_path):
 def _zero3_args(out):
     return ["--config", TINY, "--output_dir", str(out), "--max_steps", "5", "--save_steps", "2",
             "--logging_steps", "1", "--prompts_per_step", "8", "--num_iterations", "2", "--num_mini_batches", "2",
-            "--max_tokens_per_microbatch", "200"]
+            "--max_tokens_per_microbatch", "200", "--loss_type", "sequence"]
 
 
 @pytest.mark.slow
 def test_grpo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path):
     """2 processes, ZeRO-3 (actor engine, sharded reference), 2 passes x 2 minibatches per rollout (old log-probs
-    recomputed), token-budget micro-batches. Run A goes straight to step 5; run B is SIGKILLed once checkpoint-2 is
-    complete and resumed with `auto`: its final weights equal A's bit for bit, and so do the metrics of steps 3-5."""
+    recomputed), token-budget micro-batches, per-response loss means (`--loss_type sequence`). Run A goes straight
+    to step 5; run B is SIGKILLed once checkpoint-2 is complete and resumed with `auto`: its final weights equal A's
+    bit for bit, and so do the metrics of steps 3-5."""
     a, b = tmp_path / "a", tmp_path / "b"
     run(launch_cmd("zero3.yaml", 2, "grpo.py", _zero3_args(a)), timeout=300)
     run_until(launch_cmd("zero3.yaml", 2, "grpo.py", _zero3_args(b)),

@@ -55,3 +55,20 @@ def token_mean_share(per_token: torch.Tensor, global_tokens: float, world_size: 
     Summed over micro-batches it is the rank's share; DDP and DeepSpeed then *average* gradients over ranks, which
     the factor `world` undoes, so the applied gradient is that of sum over all tokens / N_global. A scalar."""
     return per_token.sum() * world_size / global_tokens
+
+
+def loss_weights(loss_type: str, row_lengths: torch.Tensor, global_tokens: float, global_seqs: float,
+                 max_len: int) -> torch.Tensor:
+    """Per-token weights (M,) that reduce a per-token loss over a minibatch on all ranks (then summed, times
+    world_size, as in token_mean_share). `row_lengths` (M,): the length of each token's response.
+      token     1 / N_tokens                    every token counts the same (DAPO; TRL's "dapo", verl's token-mean)
+      sequence  1 / (len_i * N_seqs)            each response's token mean, then the mean over responses (GRPO paper)
+      dr_grpo   1 / (N_seqs * max_len)          a constant normaliser, no length bias (Liu et al. 2025)
+    Over a minibatch the weights sum to 1 for token and sequence, and to N_tokens / (N_seqs * max_len) for dr_grpo."""
+    if loss_type == "token":
+        return torch.full_like(row_lengths, 1.0 / global_tokens, dtype=torch.float32)
+    if loss_type == "sequence":
+        return 1.0 / (row_lengths.float() * global_seqs)
+    if loss_type == "dr_grpo":
+        return torch.full_like(row_lengths, 1.0 / (global_seqs * max_len), dtype=torch.float32)
+    raise ValueError(f"loss_type {loss_type!r}: choose token, sequence or dr_grpo")
