@@ -163,6 +163,31 @@ class StepCPUMarks:
         return cpu
 
 
+def run_recipe_timed(cmd: list[str], out_dir: Path, log_path: Path, timeout_s: float, tag: str) -> dict:
+    """Run a recipe that logs every step (`--logging_steps 1`); per step: step_time_s, step_cpu_s (StepCPUMarks) and
+    tokens from its metrics.jsonl, plus the run's wall time and the load average before and after."""
+    if os.path.exists(out_dir / "metrics.jsonl"):
+        os.remove(out_dir / "metrics.jsonl")
+    marks = StepCPUMarks()
+    load0 = os.getloadavg()[0]
+    wall = run(cmd, log_path, timeout_s, prefix=f"[{tag}] ", on_line=marks.on_line)
+    with open(out_dir / "metrics.jsonl") as f:
+        rows = sorted((r for r in map(json.loads, f) if "step_time_s" in r), key=lambda r: r["step"])
+    return {"step_time_s": [r["step_time_s"] for r in rows], "step_cpu_s": marks.per_step([r["step"] for r in rows],
+                                                                                           tag),
+            "tokens": [int(r["tokens"]) for r in rows], "wall_s": wall, "loadavg_before": load0,
+            "loadavg_after": os.getloadavg()[0]}
+
+
+def run_trl_worker(cmd: list[str], out_json: Path, log_path: Path, timeout_s: float, tag: str) -> dict:
+    """Run a TRL worker that writes its per-step figures to `out_json`; adds wall time and load averages."""
+    load0 = os.getloadavg()[0]
+    wall = run(cmd, log_path, timeout_s, prefix=f"[{tag}] ")
+    with open(out_json) as f:
+        res = json.load(f)
+    return {**res, "wall_s": wall, "loadavg_before": load0, "loadavg_after": os.getloadavg()[0]}
+
+
 def trl_step_timer():
     """A TrainerCallback recording the wall and process-CPU clocks at train begin and every step end; its
     `step_times()` and `step_cpu()` give each step's seconds, end to end (data fetch and collation included)."""

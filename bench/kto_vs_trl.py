@@ -32,11 +32,11 @@ from common import (  # noqa: E402
     PYTHON,
     RESULTS,
     ROOT,
-    StepCPUMarks,
     build_model,
     count_parameters,
     measured,
-    run,
+    run_recipe_timed,
+    run_trl_worker,
     save_results,
     summary_line,
     trl_step_timer,
@@ -80,17 +80,7 @@ def run_ours(args, model_dir: str, data: Path, packing: bool, tag: str) -> dict:
            "--logging_steps", "1", "--per_device_train_batch_size", str(args.batch_size),
            "--packing", str(packing).lower(), "--gradient_checkpointing", str(args.gradient_checkpointing).lower(),
            "--max_prompt_length", "256", *[x for k, v in HYPER.items() for x in (f"--{k}", str(v))]]
-    if os.path.exists(out_dir / "metrics.jsonl"):
-        os.remove(out_dir / "metrics.jsonl")
-    marks = StepCPUMarks()
-    load0 = os.getloadavg()[0]
-    wall = run(cmd, OUT / "logs" / f"{tag}.log", args.run_timeout_s, prefix=f"[{tag}] ", on_line=marks.on_line)
-    with open(out_dir / "metrics.jsonl") as f:
-        rows = sorted((r for r in map(json.loads, f) if "step_time_s" in r), key=lambda r: r["step"])
-    return {"step_time_s": [r["step_time_s"] for r in rows], "step_cpu_s": marks.per_step([r["step"] for r in rows],
-                                                                                           tag),
-            "tokens": [int(r["tokens"]) for r in rows], "wall_s": wall, "loadavg_before": load0,
-            "loadavg_after": os.getloadavg()[0]}
+    return run_recipe_timed(cmd, out_dir, OUT / "logs" / f"{tag}.log", args.run_timeout_s, tag)
 
 
 def run_trl(args, model_dir: str, data: Path, tag: str) -> dict:
@@ -98,11 +88,7 @@ def run_trl(args, model_dir: str, data: Path, tag: str) -> dict:
     cmd = [PYTHON, __file__, "trl-worker", "--model", model_dir, "--data", str(data), "--out", str(out_json),
            "--steps", str(args.warmup + args.steps), "--batch_size", str(args.batch_size),
            "--gradient_checkpointing", str(args.gradient_checkpointing).lower()]
-    load0 = os.getloadavg()[0]
-    wall = run(cmd, OUT / "logs" / f"{tag}.log", args.run_timeout_s, prefix=f"[{tag}] ")
-    with open(out_json) as f:
-        res = json.load(f)
-    return {**res, "wall_s": wall, "loadavg_before": load0, "loadavg_after": os.getloadavg()[0]}
+    return run_trl_worker(cmd, out_json, OUT / "logs" / f"{tag}.log", args.run_timeout_s, tag)
 
 
 def main(argv=None):

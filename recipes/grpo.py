@@ -130,10 +130,8 @@ def main():
             out[ix.row, ix.pos] = logprobs_from_logits(logits, ix.targets.to(device)).float().cpu()
         return out
 
-    def score(raw_prompts: list, ro) -> torch.Tensor:
-        """Sequence scores (B,) of the decoded responses."""
-        return reward(raw_prompts, tokenizer.batch_decode([r[m] for r, m in zip(ro.response_ids, ro.response_mask)],
-                                                          skip_special_tokens=True), ro.truncated)
+    def score(raw_prompts: list, ro) -> torch.Tensor:  # sequence scores (B,) of the decoded responses
+        return reward.of_rollout(raw_prompts, ro, tokenizer)
 
     def tick(timing: dict, key: str, t0: float) -> None:
         timing[f"timing_s/{key}"] = timing.get(f"timing_s/{key}", 0.0) + time.time() - t0

@@ -113,6 +113,13 @@ class Rewards:
         sources += [self.reward_model.score(prompts, completions)] if self.reward_model else []
         return truncation_penalty(weighted_sum(sources, self.weights), truncated, self.missing_eos_penalty)
 
+    def of_rollout(self, prompts: list, rollout, tokenizer) -> torch.Tensor:
+        """Scores (B,) of a rollout.Rollout's responses, decoded with the policy's `tokenizer` (special tokens
+        dropped); `prompts` are the dataset's prompt fields, one per response."""
+        completions = tokenizer.batch_decode([r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)],
+                                             skip_special_tokens=True)
+        return self(prompts, completions, rollout.truncated)
+
 
 class RewardModel:
     """A frozen HF sequence-classification model (num_labels=1) with its own tokenizer. `model` may be a ZeRO-3
