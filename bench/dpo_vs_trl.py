@@ -280,19 +280,19 @@ def state_worker(argv):
 
     from verl_kit.config import TrainConfig
     from verl_kit.distributed import destroy, make_accelerator, zero_stage
+    from verl_kit.engine import Trainable
     from verl_kit.models import load_causal_lm
 
     cfg = TrainConfig(model_name_or_path=a.model, output_dir=os.path.join(os.path.dirname(a.out), "state_out"),
                       per_device_train_batch_size=2)
     accelerator = make_accelerator(cfg)
-    model = load_causal_lm(a.model, "sdpa", gradient_checkpointing=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    policy = Trainable(accelerator, load_causal_lm(a.model, "sdpa", gradient_checkpointing=False), cfg, 1e-4, 1)
+    model, optimizer = policy.model, policy.optimizer
     g = torch.Generator().manual_seed(accelerator.process_index)
-    ids = torch.randint(0, accelerator.unwrap_model(model).config.vocab_size, (2, 128), generator=g)
-    loss = model(input_ids=ids, labels=ids).loss
-    accelerator.backward(loss)
-    optimizer.step()  # under DeepSpeed the engine already stepped inside backward; this is a no-op wrapper
+    ids = torch.randint(0, policy.unwrapped().config.vocab_size, (2, 128), generator=g)
+    for _ in policy.accumulate([ids]):
+        policy.backward(model(input_ids=ids, labels=ids).loss)
+    policy.step()
 
     def storages(tensors) -> dict[int, int]:
         out = {}

@@ -39,9 +39,13 @@ def recipe_cmd(recipe: str, args: list[str]) -> list[str]:
 
 
 def launch_cmd(config: str, nproc: int, recipe: str, args: list[str], extra: list[str] = ()) -> list[str]:
+    return launch_script(config, nproc, str(REPO / "recipes" / recipe), args, extra)
+
+
+def launch_script(config: str, nproc: int, script: str, args: list[str], extra: list[str] = ()) -> list[str]:
+    """`accelerate launch` of any script under one of accelerate_configs/, in a loopback-only namespace."""
     return isolated([ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / config),
-                     "--num_processes", str(nproc), "--main_process_port", "29533", *extra,
-                     str(REPO / "recipes" / recipe), *args])
+                     "--num_processes", str(nproc), "--main_process_port", "29533", *extra, script, *args])
 
 
 def run(cmd: list[str], timeout: float = 300, check: bool = True, **env_extra) -> subprocess.CompletedProcess:

@@ -35,7 +35,7 @@ def test_loss_weights_by_hand_and_split_invariant():
     then averaged over ranks, as DDP/DeepSpeed do)."""
     loss = torch.tensor([4.0, 1.0, 2.0, 3.0])
     row_len = torch.tensor([1, 3, 3, 3])
-    for kind, want in (("token", 2.5), ("sequence", 3.0), ("dr_grpo", 1.25)):
+    for kind, want in (("dapo", 2.5), ("grpo", 3.0), ("dr_grpo", 1.25)):
         w = loss_weights(kind, row_len, global_tokens=4, global_seqs=2, max_len=4)
         assert float((loss * w).sum()) == pytest.approx(want)
         ranks = [[[0], [1]], [[2, 3]]]  # rank 0: two micro-batches, rank 1: one
@@ -70,13 +70,13 @@ def test_grpo_learns_embedded_task(tmp_path):
 def _zero3_args(out):
     return ["--config", TINY, "--output_dir", str(out), "--max_steps", "5", "--save_steps", "2",
             "--logging_steps", "1", "--prompts_per_step", "8", "--num_iterations", "2", "--num_mini_batches", "2",
-            "--max_tokens_per_microbatch", "200", "--loss_type", "sequence"]
+            "--max_tokens_per_microbatch", "200", "--loss_type", "grpo"]
 
 
 @pytest.mark.slow
 def test_grpo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path):
     """2 processes, ZeRO-3 (actor engine, sharded reference), 2 passes x 2 minibatches per rollout (old log-probs
-    recomputed), token-budget micro-batches, per-response loss means (`--loss_type sequence`). Run A goes straight
+    recomputed), token-budget micro-batches, per-response loss means (`--loss_type grpo`). Run A goes straight
     to step 5; run B is SIGKILLed once checkpoint-2 is complete and resumed with `auto`: its final weights equal A's
     bit for bit, and so do the metrics of steps 3-5."""
     a, b = tmp_path / "a", tmp_path / "b"

@@ -9,7 +9,7 @@ import torch
 from helpers import launch_cmd, load_weights, metrics, recipe_cmd, run, run_until
 
 from verl_kit.actor_critic import actor_logits, pack_responses
-from verl_kit.ppo_losses import logprobs_from_logits
+from verl_kit.packing import logprobs_from_logits
 from verl_kit.rollout import HFGenerateBackend, SamplingParams
 
 TINY = "recipes/configs/ppo_tiny.yaml"

@@ -1,6 +1,6 @@
 """Rewards: a reward model with its own tokenizer and chat template (re-tokenization across deliberately different
-vocabularies), reward functions loaded from a module or a file, weighted sums, and errors that name the function and
-the sample."""
+vocabularies), reward functions loaded from a module or a file, weighted sums, errors that name the function and
+the sample, dataset columns passed to reward functions (TRL's convention), and the math-verify rewards."""
 
 import math
 
@@ -8,7 +8,18 @@ import pytest
 import torch
 
 from verl_kit.errors import UserError
-from verl_kit.rewards import RewardModel, call_reward_fn, kind_words, load_reward_fn, load_reward_model, weighted_sum
+from verl_kit.rewards import (
+    RewardModel,
+    Rewards,
+    boxed_format,
+    call_reward_fn,
+    kind_words,
+    load_reward_fn,
+    load_reward_model,
+    math_answer,
+    reward_columns,
+    weighted_sum,
+)
 
 RM_TEMPLATE = "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
 
@@ -108,10 +119,10 @@ def test_reward_fn_errors_name_function_and_sample():
 
 
 def test_reward_model_is_frozen_and_deterministic(reward_model_dir):
-    """Placed by actor_critic.frozen (a plain module here, no DeepSpeed): no gradients, eval mode, same scores."""
+    """Placed by engine.frozen (a plain module here, no DeepSpeed): no gradients, eval mode, same scores."""
     from accelerate import Accelerator
 
-    from verl_kit.actor_critic import frozen
+    from verl_kit.engine import frozen
 
     accelerator = Accelerator(cpu=True)
     rm = load_reward_model(reward_model_dir, lambda load: frozen(accelerator, load), "cpu", 256, 2)
@@ -120,3 +131,123 @@ def test_reward_model_is_frozen_and_deterministic(reward_model_dir):
     s1 = rm.score(["a"] * 3, ["x", "yy", "zzz"])
     s2 = rm.score(["a"] * 3, ["x", "yy", "zzz"])
     assert torch.equal(s1, s2)
+
+
+USER_REWARD = """
+def reward(prompts, completions, answer, **kwargs):
+    assert set(kwargs) <= {"level", "completion_ids"}, kwargs
+    return [float(c.strip().endswith(str(a))) for c, a in zip(completions, answer)]
+"""
+
+
+def test_reward_file_reads_the_answer_column_beside_a_two_argument_fn(tmp_path):
+    """A user file `reward(prompts, completions, answer, **kwargs)` gets the `answer` column (one value per
+    completion: each prompt row repeated for its 2 generations, as reward_columns builds it) and the other columns as
+    **kwargs; kind_words(prompts, completions) beside it gets the two lists only (its scores: 1, 0, 0, 1). Sum with
+    weights 1 and 0.5, plus the missing-EOS penalty -1 for the truncated last response."""
+    f = tmp_path / "my_reward.py"
+    f.write_text(USER_REWARD)
+    rewards = Rewards(f"{f}:reward,verl_kit.rewards:kind_words", None, "1,0.5", missing_eos_penalty=-1.0)
+    rows = [{"prompt": "1+1?", "answer": 2, "level": "easy"}] * 2 + [{"prompt": "2+3?", "answer": 5,
+                                                                        "level": "hard"}] * 2
+    columns = reward_columns(rows)
+    assert columns == {"answer": [2, 2, 5, 5], "level": ["easy", "easy", "hard", "hard"]}
+    prompts = [r["prompt"] for r in rows]
+    completions = ["kind 2", "3", "it is 5", "lovely 4"]
+    scores = rewards(prompts, completions, torch.tensor([False, False, False, True]), columns)
+    torch.testing.assert_close(scores, torch.tensor([1 + 0.5, 0.0, 1.0, 0 + 0.5 - 1.0]))
+    with pytest.raises(UserError, match=r"^reward function .*my_reward.py:reward needs column 'answer', which the data "
+                                        r"does not have \(columns: 'level'\)$"):
+        rewards(prompts, completions, torch.zeros(4, dtype=torch.bool), {"level": columns["level"]})
+    torch.testing.assert_close(Rewards("verl_kit.rewards:kind_words", None, None)(prompts, completions,
+                                                                                   torch.zeros(4, dtype=torch.bool)),
+                               torch.tensor([1.0, 0.0, 0.0, 1.0]))
+
+
+def test_calling_conventions_follow_the_signature():
+    """TRL style (names `completions`): all by keyword, prompts only if named or **kwargs; positional otherwise, with
+    the columns it names (or all for **kwargs); completion_ids offered alike."""
+    seen = {}
+
+    def trl_style(completions, solution, **kwargs):
+        seen["trl"] = sorted(kwargs)
+        return [float(c == s) for c, s in zip(completions, solution)]
+
+    def only_completions(completions):
+        return [1.0] * len(completions)
+
+    def positional(p, c, **kw):
+        seen["pos"] = sorted(kw)
+        return [0.0] * len(c)
+
+    cols = {"solution": ["a", "b"], "extra": [1, 2]}
+    torch.testing.assert_close(call_reward_fn("t", trl_style, ["p", "q"], ["a", "x"], cols, [[1], [2]]),
+                               torch.tensor([1.0, 0.0]))
+    assert seen["trl"] == ["completion_ids", "extra", "prompts"]
+    torch.testing.assert_close(call_reward_fn("o", only_completions, ["p"], ["a"], {"extra": [1]}), torch.tensor([1.0]))
+    call_reward_fn("pos", positional, ["p", "q"], ["a", "b"], cols)
+    assert seen["pos"] == ["extra", "solution"]
+    for bad, says in [({"completions": ["a"]}, r"reward column 'completions': the name is taken"),
+                      ({"answer": [1, 2]}, r"reward column 'answer' has 2 values for 1 completions")]:
+        with pytest.raises(UserError, match=says):
+            call_reward_fn("o", only_completions, ["p"], ["a"], bad)
+
+
+def test_per_sample_retry_slices_the_columns():
+    """A batch failure is retried sample by sample with the columns sliced alike: sample 1's answer 0 divides by 0."""
+
+    def ratio(prompts, completions, answer):
+        assert len(answer) == len(completions)
+        return [len(c) / a for c, a in zip(completions, answer)]
+
+    with pytest.raises(UserError, match=r"^reward function ratio raised ZeroDivisionError: .* on sample 1 "
+                                        r"\(prompt 'p1', completion 'yy'\)$"):
+        call_reward_fn("ratio", ratio, ["p0", "p1", "p2"], ["x", "yy", "z"], {"answer": [1, 0, 2]})
+
+
+@pytest.mark.parametrize("completion, reference, expected", [
+    ("The answer is 42.", "42", 1.0),              # plain number at the end
+    ("3 + 4 = 7", "7", 1.0),                       # right-hand side of the final equation
+    ("First 3, then 5, finally 9", "7", 0.0),      # the last number (9) counts, not an earlier one
+    ("The answer is 41.", "42", 0.0),              # wrong
+    ("I have no idea.", "42", 0.0),                # no answer at all
+    ("The answer is seven.", "7", 0.0),            # words are not parsed
+    ("So \\boxed{\\frac{1}{2}}.", "1/2", 1.0),     # boxed LaTeX vs a plain fraction
+    ("\\boxed{7} and then 3", "7", 1.0),           # a box wins over a later number
+    ("It is 0.5", "\\frac{1}{2}", 1.0),            # numeric equality
+    ("\\boxed{x^2}", "x^2", 1.0),                  # bare LaTeX reference (retried inside $...$)
+    ("... so 72.", "48/2 = <<48/2=24>>24 clips\n#### 72", 1.0),  # GSM8K-style worked reference
+])
+def test_math_answer(completion, reference, expected):
+    got = call_reward_fn("math_answer", math_answer, ["q"], [completion], {"answer": [reference]})
+    assert got.tolist() == [expected]
+
+
+def test_math_answer_reference_column_and_errors():
+    """`solution` is used when there is no `answer`; neither is a one-line UserError naming function and columns;
+    a reference with nothing to parse names the sample."""
+    assert call_reward_fn("m", math_answer, ["q"] * 2, ["= 4", "5"], {"solution": ["4", "4"]}).tolist() == [1.0, 0.0]
+    rewards = Rewards("verl_kit.rewards:math_answer", None, None)
+    with pytest.raises(UserError, match=r"^reward function math_answer needs a reference column 'answer' or "
+                                        r"'solution'; the data has 'level'$"):
+        rewards(["q"], ["4"], torch.zeros(1, dtype=torch.bool), {"level": ["easy"]})
+    with pytest.raises(UserError, match=r"^reward function math_answer needs .*; the data has no other columns$"):
+        rewards(["q"], ["4"], torch.zeros(1, dtype=torch.bool))
+    with pytest.raises(UserError, match=r"^reward function math_answer: the answer of sample 1 \('none'\) holds "):
+        rewards(["q"] * 2, ["4", "4"], torch.zeros(2, dtype=torch.bool), {"answer": ["4", "none"]})
+
+
+def test_boxed_format():
+    cases = {"So \\boxed{7}.": 1.0, "\\boxed{\\frac{1}{2}}": 1.0, "The answer is 7.": 0.0, "\\boxed{}": 0.0,
+             "\\boxed{ }": 0.0, "\\boxed{7} or \\boxed{8}": 0.0, "\\boxed{\\frac{1}{2}": 0.0, "": 0.0}
+    got = call_reward_fn("boxed_format", boxed_format, ["q"] * len(cases), list(cases), {"answer": ["7"] * len(cases)})
+    assert got.tolist() == list(cases.values())
+
+
+def test_reward_columns_rows_must_agree():
+    assert reward_columns([]) == {}
+    assert reward_columns([{"prompt": "p", "answer": 1}], exclude=("prompt", "answer")) == {}
+    with pytest.raises(UserError, match=r"^reward columns: row 2 has columns \['answer', 'extra'\] but row 0 has "
+                                        r"\['answer'\]; every row must have the same columns$"):
+        reward_columns([{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": 2},
+                        {"prompt": "c", "answer": 3, "extra": 0}])

@@ -159,7 +159,7 @@ def test_colocated_generate_sync_probe(tmp_path):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path):
-    from verl_kit.vllm_rollout import ServerProcess
+    from verl_kit.vllm_server import ServerProcess
 
     os.environ["VLLM_HOST_IP"] = "127.0.0.1"
     s = ServerProcess(tiny_model_path, dtype="float32", max_num_seqs=64, max_model_len=512, kv_cache_gib=1,
@@ -218,7 +218,8 @@ def test_server_sync_matches_trained_policy(client, tokenizer, tiny_model_path):
 
 def test_unreachable_server_is_a_user_error(tokenizer):
     from verl_kit.errors import UserError
-    from verl_kit.vllm_rollout import VLLMServer, free_port
+    from verl_kit.vllm_rollout import VLLMServer
+    from verl_kit.vllm_server import free_port
 
     t0 = time.time()
     with pytest.raises(UserError, match="no vLLM server answers"):

@@ -69,20 +69,24 @@ def group_advantages(scores: torch.Tensor, group_size: int, scale: bool = True, 
     return centred.view(-1).to(scores.dtype)
 
 
-def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(count, sum, sum of squares) of x over mask, float64 (3,). Sum these over ranks (all_reduce) before whiten()
-    so that whitening does not depend on how the batch is split."""
+def masked_moments(x: torch.Tensor, mask: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    """{prefix + "count", "sum", "sum_sq"}: count, sum and sum of squares of x over mask (float64). Sum these over
+    ranks (distributed.reduce_metrics) before whiten() so that whitening does not depend on how the batch is split."""
     x = x.double()[mask.bool()]
-    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), (x * x).sum()])
+    return {f"{prefix}count": float(x.numel()), f"{prefix}sum": float(x.sum()), f"{prefix}sum_sq": float((x * x).sum())}
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, shift_mean: bool = True,
+def masked_variance(moments: dict[str, float], prefix: str = "") -> float:
+    """Population variance from masked_moments (possibly summed over ranks)."""
+    mean = moments[f"{prefix}sum"] / moments[f"{prefix}count"]
+    return max(moments[f"{prefix}sum_sq"] / moments[f"{prefix}count"] - mean * mean, 0.0)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, moments: dict[str, float], shift_mean: bool = True,
            eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / std over the masked tokens, with mean and (population) variance taken from `moments`
     (masked_moments, possibly summed over ranks). shift_mean=False keeps the mean (scales only). (B, R) -> (B, R)."""
-    count, total, total_sq = moments.tolist()
-    mean = total / count
-    var = max(total_sq / count - mean * mean, 0.0)
+    mean, var = moments["sum"] / moments["count"], masked_variance(moments)
     out = (x - mean) / (var + eps) ** 0.5
     if not shift_mean:
         out = out + mean

@@ -71,3 +71,16 @@ def load_checkpoint(accelerator, path: str) -> dict:
         state = json.load(f)
     logger.info("resumed from %s at step %d", path, state["step"])
     return state
+
+
+def resume(accelerator, cfg) -> int:
+    """`--resume_from_checkpoint` ('auto' or a path; TrainConfig fields): restore every prepared model, optimizer,
+    scheduler and RNG from it. Returns the step to continue from, 0 when there is nothing to resume."""
+    path = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
+    return load_checkpoint(accelerator, path)["step"] if path else 0
+
+
+def save_if_due(accelerator, cfg, step: int) -> None:
+    """Checkpoint after optimizer step `step` every `--save_steps` (0: never), keeping `--save_total_limit`."""
+    if cfg.save_steps and step % cfg.save_steps == 0:
+        save_checkpoint(accelerator, cfg.output_dir, step, {}, cfg.save_total_limit)

@@ -9,14 +9,20 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from verl_kit.errors import UserError
+from verl_kit.rollout import SamplingParams
 from verl_kit.tiny import TINY_MODEL_NAME, TINY_PREFS
 
 
 @dataclass
 class TrainConfig:
-    """Fields every recipe shares, named as in transformers/TRL so that existing configs carry over."""
+    """Fields every recipe shares, named as in transformers/TRL so that existing configs carry over. `CHOICES` names
+    the allowed values of a field; a subclass adds its own (parse_args checks them all, from the CLI and from yaml)."""
+
+    CHOICES: ClassVar[dict] = {"report_to": ("none", "wandb", "tensorboard"),
+                               "attn_implementation": (None, "sdpa", "eager", "flash_attention_2")}
 
     model_name_or_path: str = field(default=TINY_MODEL_NAME, metadata={
         "help": "HF model id or local path; 'tiny-llama' builds the embedded tiny model offline on first use"})
@@ -31,7 +37,6 @@ class TrainConfig:
     num_train_epochs: float = field(default=1.0, metadata={"help": "passes over the train split (if max_steps=-1)"})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "examples per process per micro-step"})
     per_device_eval_batch_size: int = field(default=16, metadata={"help": "examples per process per eval forward"})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
     learning_rate: float = field(default=5e-4, metadata={"help": "peak AdamW learning rate"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     warmup_ratio: float = field(default=0.0, metadata={"help": "fraction of steps for linear warm-up"})
@@ -61,9 +66,84 @@ class TrainConfig:
     collective_timeout_s: int = field(default=1800, metadata={"help": "timeout for every collective (seconds)"})
 
 
-_CHOICES = {"report_to": ("none", "wandb", "tensorboard"),
-            "attn_implementation": (None, "sdpa", "eager", "flash_attention_2"),
-            "rollout": ("hf", "vllm", "vllm-server")}
+@dataclass
+class OfflineConfig(TrainConfig):
+    """Recipes that step through a fixed dataset (DPO, KTO): a step is per_device_train_batch_size x
+    gradient_accumulation_steps examples per process."""
+
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout backend flags, mixed into OnlineConfig."""
+
+    CHOICES: ClassVar[dict] = {"rollout": ("hf", "vllm", "vllm-server")}
+
+    rollout: str = field(default="hf", metadata={
+        "help": "hf (HF generate), vllm (a vLLM engine in each training process) or vllm-server"})
+    vllm_server_url: str | None = field(default=None, metadata={
+        "help": "vllm-server: URL of a running server (`make vllm-serve`); unset: the run starts one on 127.0.0.1"})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vllm: GPUs per engine"})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={
+        "help": "vllm: share of GPU memory for the engine's weights and KV cache"})
+    vllm_max_num_seqs: int = field(default=256, metadata={"help": "vLLM: sequences decoded together"})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={
+        "help": "vllm: release the engine's GPU memory during the update (GPU only)"})
+    vllm_kv_cache_gib: int = field(default=1, metadata={"help": "vLLM on CPU: KV cache GiB (VLLM_CPU_KVCACHE_SPACE)"})
+    vllm_sync_bucket_mb: float = field(default=64, metadata={
+        "help": "weight sync: MiB of parameters gathered and sent at a time"})
+    vllm_sync_timeout_s: float = field(default=600, metadata={"help": "weight sync: seconds before it fails"})
+    vllm_probe_size: int = field(default=4, metadata={
+        "help": "prompts scored by engine and trainer after each sync (0: no probe)"})
+    vllm_probe_threshold: float = field(default=1.0, metadata={
+        "help": "stop when the probe's max |logprob difference| exceeds this"})
+
+
+@dataclass
+class OnlineConfig(TrainConfig, RolloutConfig):
+    """Flags the online recipes (PPO, GRPO) share: prompts and sampling, rewards, old log-probs, rollout backend.
+    A step is `prompts_per_step` prompts over all processes; its updates are split by the recipe's own minibatch
+    flags, and each minibatch into micro-batches of per_device_train_batch_size rows (or a token budget)."""
+
+    CHOICES: ClassVar[dict] = {"old_logprobs": ("recompute", "rollout")}
+
+    prompts_per_step: int = field(default=32, metadata={"help": "prompts per step over all processes"})
+    num_generations: int = field(default=2, metadata={"help": "responses sampled per prompt"})
+    max_completion_length: int = field(default=16, metadata={"help": "max new tokens per response"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (also applied to log-probs)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling; 1.0 keeps every token"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling; 0 keeps every token"})
+    ignore_eos: bool = field(default=False, metadata={"help": "always generate max_completion_length (benchmarks)"})
+    reward_fn: str | None = field(default="verl_kit.rewards:kind_words", metadata={
+        "help": "comma-separated reward functions, module:function or path/to/file.py:function"})
+    reward_model_name_or_path: str | None = field(default=None, metadata={
+        "help": "HF sequence-classification reward model (its own tokenizer and chat template)"})
+    reward_weights: str | None = field(default=None, metadata={
+        "help": "comma-separated weights, one per reward_fn then the reward model; default all 1"})
+    missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of responses without EOS"})
+    old_logprobs: str = field(default="recompute", metadata={
+        "help": "recompute: an actor forward before the update; rollout: the sampling log-probs (as TRL's PPOTrainer)"
+                "; only used when a rollout is updated on more than once"})
+
+    def check(self, world: int) -> None:
+        """One-line UserErrors for the online flags (after parsing; `world` = number of processes)."""
+        if self.old_logprobs == "rollout" and (self.top_p < 1.0 or self.top_k > 0):  # truncated != the policy
+            raise UserError("--old_logprobs rollout needs --top_p 1.0 and --top_k 0 (else sampling log-probs differ)")
+        if self.prompts_per_step % world:
+            raise UserError(f"--prompts_per_step {self.prompts_per_step} must be a multiple of the {world} processes")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_completion_length,
+                              self.num_generations, self.ignore_eos)
+
+
+def choices(config_cls) -> dict[str, tuple]:
+    """The allowed values of every field with a CHOICES entry in `config_cls` or its bases (a subclass wins)."""
+    out = {}
+    for klass in reversed(config_cls.__mro__):
+        out.update(vars(klass).get("CHOICES", {}))
+    return out
 
 
 def _check_type(name: str, value, annotation) -> None:
@@ -118,15 +198,17 @@ def parse_args(config_cls, argv: list[str] | None = None):
             msg = f"unknown flag(s) {', '.join(flags) or msg.split(':', 1)[1].strip()} (see --help)"
         raise UserError(msg) from None
     hints = typing.get_type_hints(config_cls)
+    allowed = choices(config_cls)
     for f in dataclasses.fields(cfg_obj):
         value = getattr(cfg_obj, f.name)
         _check_type(f.name, value, hints[f.name])
-        if f.name in _CHOICES and value not in _CHOICES[f.name]:
-            raise UserError(f"--{f.name}: {value!r} is not one of {', '.join(map(str, _CHOICES[f.name]))}")
+        if f.name in allowed and value not in allowed[f.name]:
+            raise UserError(f"--{f.name}: {value!r} is not one of {', '.join(map(str, allowed[f.name]))}")
     if isinstance(cfg_obj.dataset_test_split, str) and cfg_obj.dataset_test_split.lower() == "none":
         cfg_obj.dataset_test_split = None
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "packing_length"):
-        if getattr(cfg_obj, name) < 1:
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "packing_length",
+                 "prompts_per_step", "num_generations", "max_completion_length"):
+        if getattr(cfg_obj, name, 1) < 1:
             raise UserError(f"--{name}: must be >= 1, got {getattr(cfg_obj, name)}")
     if cfg_obj.max_prompt_length >= cfg_obj.max_length:
         raise UserError(f"--max_prompt_length ({cfg_obj.max_prompt_length}) must be below --max_length "

@@ -61,6 +61,15 @@ def load_split(name: str, split: str, config: str | None = None, required: bool 
     return ds
 
 
+def load_splits(cfg) -> tuple:
+    """(train, test) datasets of a recipe config: `--dataset_train_split` and `--dataset_test_split` of
+    `--dataset_name`; test is None when the split is 'none' or the dataset has no such split."""
+    train = load_split(cfg.dataset_name, cfg.dataset_train_split, cfg.dataset_config)
+    test = cfg.dataset_test_split and load_split(cfg.dataset_name, cfg.dataset_test_split, cfg.dataset_config,
+                                                 required=False)
+    return train, test or None
+
+
 def _is_messages(value) -> bool:
     return isinstance(value, list) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)

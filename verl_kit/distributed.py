@@ -4,21 +4,22 @@ and every collective carries a timeout so a lost peer fails the run instead of h
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
 
 import torch
 
+from verl_kit.metrics import check_writable, setup_logging
 from verl_kit.packing import split_by_tokens
 
 logger = logging.getLogger(__name__)
 
 
-def make_accelerator(cfg, project_name: str = "verl-kit"):
-    """Build the Accelerator for a recipe config (TrainConfig fields). Gradient accumulation is done by the recipe
-    (token-budget micro-batches vary in number), so accelerate and DeepSpeed are told 1 and never rescale the loss."""
+def make_accelerator(cfg):
+    """Start a run from a recipe config (TrainConfig fields): build the Accelerator, set up logging (INFO on the main
+    process) and check that --output_dir is writable. Gradient accumulation is done by the recipe (token-budget
+    micro-batches vary in number), so accelerate and DeepSpeed are told 1 and never rescale the loss."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
@@ -49,6 +50,8 @@ def make_accelerator(cfg, project_name: str = "verl-kit"):
         ds["train_batch_size"] = cfg.per_device_train_batch_size * accelerator.num_processes
         ds["gradient_clipping"] = cfg.max_grad_norm
     set_seed(cfg.seed)
+    setup_logging(accelerator.is_main_process)
+    check_writable(cfg.output_dir)
     return accelerator
 
 
@@ -57,28 +60,45 @@ def zero_stage(accelerator) -> int:
     return 0 if plugin is None else int(plugin.zero_stage)
 
 
-@contextlib.contextmanager
-def micro_step(accelerator, model, last: bool):
-    """One micro-batch of a step. Gradients are reduced (and DeepSpeed steps its engine) only on the last one."""
-    accelerator.sync_gradients = last
-    with contextlib.nullcontext() if last else accelerator.no_sync(model):
-        yield
+def _collective_device() -> torch.device:
+    """NCCL reduces CUDA tensors, gloo CPU tensors."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-def clip_grad_norm(accelerator, model, max_norm: float) -> float:
-    """Clip and return the global gradient norm. DeepSpeed clips inside its engine step (gradient_clipping)."""
-    if accelerator.distributed_type.value == "DEEPSPEED":
-        norm = model.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
-    return float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+def reduce_metrics(sums: dict[str, float], maxes: dict[str, float] | None = None) -> dict[str, float]:
+    """Sum `sums` and take the max of `maxes` over all processes, by name: {name: value} in, {name: total} out, one
+    collective each (float64, so token counts stay exact). Every process must pass the same names."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+    out = {}
+    for values, op in ((sums, torch.distributed.ReduceOp.SUM), (maxes or {}, torch.distributed.ReduceOp.MAX)):
+        names = sorted(values)
+        if not names:
+            continue
+        t = torch.tensor([float(values[k]) for k in names], dtype=torch.float64)
+        if distributed:
+            t = t.to(_collective_device())
+            torch.distributed.all_reduce(t, op=op)
+        out.update(zip(names, t.tolist()))
+    return out
 
 
-def all_reduce_sum(accelerator, values: list[float]) -> list[float]:
-    """Sum a few floats over all processes (float64, so token counts stay exact)."""
-    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-    if accelerator.num_processes > 1:
-        torch.distributed.all_reduce(t)
-    return t.tolist()
+class Tally:
+    """Named sums accumulated over the micro-batches of a step: `tally.add(loss=..., tokens=...)` (tensors are
+    summed), then `tally.reduce(**maxes)` -> {name: sum over micro-batches and processes, or max over processes}."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+
+    def add(self, **values) -> None:
+        for k, v in values.items():
+            v = float(v.sum()) if isinstance(v, torch.Tensor) else float(v)
+            self.sums[k] = self.sums.get(k, 0.0) + v
+
+    def reduce(self, **maxes) -> dict[str, float]:
+        return reduce_metrics(self.sums, maxes)
 
 
 def all_gather(accelerator, t: torch.Tensor) -> torch.Tensor:
@@ -91,11 +111,9 @@ def all_gather(accelerator, t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def all_reduce_max(accelerator, value: int) -> int:
-    t = torch.tensor([value], dtype=torch.long, device=accelerator.device)
-    if accelerator.num_processes > 1:
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return int(t.item())
+def all_reduce_max(value: float) -> float:
+    """The max of `value` over all processes, so that every process takes the same decision."""
+    return reduce_metrics({}, {"v": value})["v"]
 
 
 def shard(n: int, rank: int, world: int) -> list[int]:
@@ -143,12 +161,21 @@ def param_counts(model) -> tuple[int, int]:
     return local, total
 
 
-def lockstep_micro_batches(accelerator, items: list, costs: list[int], max_tokens: int | None,
-                           batch_size: int) -> list[list]:
-    """Split `items` into micro-batches: by token budget (`costs` per item, at most `max_tokens` summed, in as many
-    balanced chunks as the busiest process needs, so every process runs the same number: ZeRO-3 runs forward
-    passes in lockstep), or `batch_size` items at a time when max_tokens is None."""
-    if max_tokens:
-        n = all_reduce_max(accelerator, len(split_by_tokens(costs, max_tokens)))
+def micro_batches(cfg, items: list, costs: list[int]) -> list[list]:
+    """Split this process's `items` of a step into micro-batches (lists of items, in order): by token budget when
+    `cfg.max_tokens_per_microbatch` is set (`costs` = tokens per item; in as many balanced chunks as the busiest
+    process needs, so every process runs the same number: ZeRO-3 runs forward passes in lockstep), else
+    `cfg.per_device_train_batch_size` items at a time."""
+    if cfg.max_tokens_per_microbatch:
+        n = int(all_reduce_max(len(split_by_tokens(costs, cfg.max_tokens_per_microbatch))))
         return [[items[i] for i in c] for c in split_by_tokens(costs, None, n_chunks=n)]
-    return [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+    size = cfg.per_device_train_batch_size
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def minibatches(n_rows: int, num_mini_batches: int, seed: int) -> list[list[int]]:
+    """This process's rollout rows 0..n_rows-1 in a seeded random order, cut into `num_mini_batches` minibatches
+    (one optimizer step each). `seed` should differ per step and epoch so each pass sees a new order."""
+    perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed)).tolist()
+    size = -(-n_rows // num_mini_batches)
+    return [perm[i:i + size] for i in range(0, n_rows, size)]

@@ -3,6 +3,7 @@ per logged step), the accelerate trackers (wandb, tensorboard) and, at the end, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -12,15 +13,66 @@ import time
 logger = logging.getLogger("verl_kit")
 
 
+class _TqdmHandler(logging.StreamHandler):
+    """Log records printed above the progress bar (tqdm.write), so a bar and a log line never share a line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
 def setup_logging(is_main: bool) -> None:
+    """INFO on the main process (WARNING elsewhere), routed through the progress bar. Library progress bars (model
+    loading, shard writing, dataset maps) stay off the recipe's console unless VERL_KIT_LIBRARY_BARS=1."""
     import warnings
 
     # torch renamed the collectives DeepSpeed calls; the warning repeats on every step and says nothing to users.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
-                        level=logging.INFO if is_main else logging.WARNING, force=True)
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(handlers=[handler], level=logging.INFO if is_main else logging.WARNING, force=True)
     for noisy in ("httpx", "datasets", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if os.environ.get("VERL_KIT_LIBRARY_BARS") != "1":
+        import datasets
+        import huggingface_hub.utils
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        datasets.disable_progress_bars()
+        huggingface_hub.utils.disable_progress_bars()
+
+
+def progress(iterable, desc: str, total: int, is_main: bool):
+    """A progress bar over a long phase (reference scoring, evaluation) on the main process, left under the step bar
+    when done; a start line in the log either way (VERL_KIT_NO_BAR=1 turns the bars off)."""
+    from tqdm.auto import tqdm
+
+    if is_main:
+        logger.info(f"{desc}: {total} batches")
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True,
+                disable=not is_main or os.environ.get("VERL_KIT_NO_BAR") == "1")
+
+
+class Timer:
+    """Seconds per phase of a step, summed when a phase runs several times: `with timer("gen"): ...`, then
+    `timer.seconds` -> {"timing_s/gen": ...}."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            key = f"timing_s/{phase}"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.time() - t0
 
 
 def check_writable(output_dir: str) -> None:
@@ -62,8 +114,8 @@ class MetricsLogger:
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                         disable=os.environ.get("VERL_KIT_NO_BAR") == "1")
 
-    def log(self, step: int, metrics: dict, line: str | None = None) -> None:
-        """Append metrics for `step`; `line` is the human summary for the INFO log (default: all metrics)."""
+    def log(self, step: int, metrics: dict) -> None:
+        """Append metrics for `step` to metrics.jsonl and the trackers, and write them as one INFO line."""
         if not self.main:
             return
         row = {"step": step, "elapsed_s": round(time.time() - self.start, 3),
@@ -72,12 +124,8 @@ class MetricsLogger:
             f.write(json.dumps(row) + "\n")
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=step)
-        text = line or " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
-        msg = f"step {step}: {text} elapsed={row['elapsed_s']:.0f}s"
-        if self.bar is not None and not self.bar.disable:
-            self.bar.write(time.strftime("%H:%M:%S ") + "INFO " + msg)
-        else:
-            logger.info(msg)
+        text = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+        logger.info(f"step {step}: {text} elapsed={row['elapsed_s']:.0f}s")
 
     def advance(self, n: int = 1, **postfix) -> None:
         if self.bar is not None:

@@ -38,6 +38,12 @@ class TokenBatch:
                           move(self.attention_mask), self.num_seqs)
 
     @property
+    def scored(self) -> torch.Tensor:
+        """(R, L-1) bool: position t predicts a scored token (loss_mask at t+1, same sequence). logits[:, :-1][scored]
+        are the logits of the scored tokens input_ids[:, 1:][scored], in row-major order."""
+        return self.loss_mask[:, 1:] & (self.seq_ids[:, 1:] == self.seq_ids[:, :-1])
+
+    @property
     def num_tokens(self) -> int:
         """Real (non-pad) tokens."""
         return int((self.seq_ids >= 0).sum())
@@ -119,13 +125,18 @@ def block_causal_mask(seq_ids: torch.Tensor, dtype: torch.dtype = torch.float32)
     return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
 
 
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target] in fp32: logits (M, V), targets (M,) -> (M,)."""
+    logits = logits.float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
 def token_logprobs(logits: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of the scored tokens. logits (R, L, V) -> (logps (M,), seq_index (M,)) for the M scored
-    tokens, each predicted from the previous position of the same sequence."""
-    target = batch.input_ids[:, 1:]
-    scored = batch.loss_mask[:, 1:] & (batch.seq_ids[:, 1:] == batch.seq_ids[:, :-1])
-    picked = logits[:, :-1][scored].float()  # (M, V): only scored positions reach the vocab-wide logsumexp
-    logps = picked.gather(-1, target[scored][:, None]).squeeze(-1) - picked.logsumexp(-1)
+    tokens, each predicted from the previous position of the same sequence. Only the scored positions reach the
+    vocabulary-wide logsumexp."""
+    scored = batch.scored
+    logps = logprobs_from_logits(logits[:, :-1][scored], batch.input_ids[:, 1:][scored])
     return logps, batch.seq_ids[:, 1:][scored]
 
 

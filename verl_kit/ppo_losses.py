@@ -10,12 +10,6 @@ from __future__ import annotations
 import torch
 
 
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target]: logits (M, V), targets (M,) -> (M,)."""
-    logits = logits.float()
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
-
-
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits): H = logsumexp(z) - sum_v p_v z_v. (M, V) -> (M,)."""
     logits = logits.float()
@@ -61,14 +55,15 @@ def loss_weights(loss_type: str, row_lengths: torch.Tensor, global_tokens: float
                  max_len: int) -> torch.Tensor:
     """Per-token weights (M,) that reduce a per-token loss over a minibatch on all ranks (then summed, times
     world_size, as in token_mean_share). `row_lengths` (M,): the length of each token's response.
-      token     1 / N_tokens                    every token counts the same (DAPO; TRL's "dapo", verl's token-mean)
-      sequence  1 / (len_i * N_seqs)            each response's token mean, then the mean over responses (GRPO paper)
+      dapo      1 / N_tokens                    every token counts the same (DAPO; verl's token-mean)
+      grpo      1 / (len_i * N_seqs)            each response's token mean, then the mean over responses (GRPO paper)
       dr_grpo   1 / (N_seqs * max_len)          a constant normaliser, no length bias (Liu et al. 2025)
-    Over a minibatch the weights sum to 1 for token and sequence, and to N_tokens / (N_seqs * max_len) for dr_grpo."""
-    if loss_type == "token":
+    The names are TRL's (GRPOConfig.loss_type). Over a minibatch the weights sum to 1 for dapo and grpo, and to
+    N_tokens / (N_seqs * max_len) for dr_grpo."""
+    if loss_type == "dapo":
         return torch.full_like(row_lengths, 1.0 / global_tokens, dtype=torch.float32)
-    if loss_type == "sequence":
+    if loss_type == "grpo":
         return 1.0 / (row_lengths.float() * global_seqs)
     if loss_type == "dr_grpo":
         return torch.full_like(row_lengths, 1.0 / (global_seqs * max_len), dtype=torch.float32)
-    raise ValueError(f"loss_type {loss_type!r}: choose token, sequence or dr_grpo")
+    raise ValueError(f"loss_type {loss_type!r}: choose dapo, grpo or dr_grpo")

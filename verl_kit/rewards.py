@@ -1,16 +1,37 @@
 """Rewards: sequence scores (B,) for the decoded responses, from Python functions and/or a reward model.
 
-Reward functions have the signature `fn(prompts, completions) -> list[float]`: `prompts` are the dataset's prompt
-fields as they are (a string or chat messages), `completions` the decoded responses (special tokens removed). They are
-named on the command line as `module:function` or `path/to/file.py:function`. A reward model is an HF
-sequence-classification model with its *own* tokenizer: the policy's text is decoded and re-tokenized with the reward
-tokenizer and its chat template, so policy and reward model need not share a vocabulary.
+Reward functions are named on the command line as `module:function` or `path/to/file.py:function` and return one
+finite number per completion. They are called the way TRL's GRPOTrainer calls them: `prompts` (the dataset's prompt
+fields as they are, a string or chat messages), `completions` (the decoded responses, special tokens removed) and,
+as keyword arguments, the dataset's other columns, one value per completion (a prompt row's values repeated for each
+of its generations), plus `completion_ids` (each response's token ids) when the caller has them (Rewards.of_rollout).
+What a function receives follows its signature:
+
+    def reward(prompts, completions): ...                       # the two lists only (as before)
+    def reward(prompts, completions, answer): ...               # + the `answer` column (a missing one: UserError)
+    def reward(completions, answer, **kwargs): ...              # TRL style: everything by keyword, all the columns
+    def reward(p, c, **kwargs): ...                             # lists positionally (no `completions` name) + all
+
+A function whose parameters include `completions` is called with keywords only (`prompts=`, `completions=`, each
+column it names or all of them if it takes **kwargs), as TRL does; otherwise the two lists go positionally. TRL's
+`trainer_state`, `log_extra`, `log_metric` and `environments` keys do not exist here. Columns named `prompts`,
+`completions` or `completion_ids` are refused. A wrong count, a non-finite value or an exception is a one-line
+UserError naming the function and the sample (the batch is retried one sample at a time, columns sliced alike).
+
+Built-in functions: `kind_words` (the embedded task), `math_answer` (1.0 when the completion's final answer equals
+the row's `answer` or `solution` according to HF math-verify) and `boxed_format` (1.0 for exactly one non-empty
+\\boxed{...}). `reward_columns(rows)` turns dataset rows, one per response, into the columns dict.
+
+A reward model is an HF sequence-classification model with its *own* tokenizer: the policy's text is decoded and
+re-tokenized with the reward tokenizer and its chat template, so policy and reward model need not share a vocabulary.
+Reward models see prompts and completions only.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import re
@@ -29,6 +50,92 @@ def kind_words(prompts, completions) -> list[float]:
         words = re.findall(r"[a-z]+", text.lower())
         out.append(sum(w in GOOD for w in words) / max(len(words), 1))
     return out
+
+
+MATH_TIMEOUT_S = 3  # math-verify's per-expression limit, for parsing and for each comparison (main thread only)
+
+
+def math_answer(prompts, completions, **columns) -> list[float]:
+    """1.0 when the completion's final answer equals the reference, else 0.0 (HF math-verify 0.9).
+
+    The reference is the row's `answer` column, or `solution` when there is no `answer` (a UserError names the
+    missing column otherwise); it may be a bare value ("7", "1/2"), LaTeX ("$\\frac{1}{2}$", "\\boxed{7}", or bare
+    like "x^2": a reference holding one of \\ ^ _ { that parses to nothing is retried inside $...$) or a worked
+    solution ending in one (GSM8K's "... #### 72" parses to 72). A reference math-verify finds no expression in
+    (words such as "none" or a choice letter "A") is a UserError naming the sample. The completion's answer is what
+    `math_verify.parse` extracts: a \\boxed{...} wins wherever it is ("\\boxed{7} and then 3" -> 7), otherwise the
+    *last* expression, with the right-hand side of a final equation ("3 + 4 = 7" -> 7, "The answer is 42." -> 42,
+    "7 - 3" -> 4); no number at all ("seven") scores 0.
+    Comparison is symbolic and numeric ("0.5" equals "1/2", "1,000" equals "1000", "7.0" equals "7").
+
+    math-verify times out with SIGALRM, which only works on the main thread: there each parse and comparison gets
+    MATH_TIMEOUT_S seconds (then scores 0), and an alarm already pending (e.g. pytest-timeout's) is re-armed after;
+    on another thread it runs without a time limit."""
+    import signal
+    import threading
+    import time
+
+    from math_verify import parse, verify
+
+    key = "answer" if "answer" in columns else "solution" if "solution" in columns else None
+    if key is None:
+        have = sorted(k for k in columns if k != "completion_ids")
+        raise UserError(f"reward function math_answer needs a reference column 'answer' or 'solution'; the data has "
+                        f"{', '.join(map(repr, have)) or 'no other columns'}")
+    refs = columns[key]
+    main = threading.current_thread() is threading.main_thread()
+    limit = MATH_TIMEOUT_S if main else None
+    outer, t0 = (signal.alarm(0), time.monotonic()) if main else (0, 0.0)
+    try:
+        golds, out = {}, []
+        for i, (ref, completion) in enumerate(zip(refs, completions)):
+            ref = str(ref)
+            if ref not in golds:
+                golds[ref] = parse(ref, parsing_timeout=limit)
+                if not golds[ref] and any(c in ref for c in "\\^_{"):  # bare LaTeX such as x^2 needs delimiters
+                    golds[ref] = parse(f"${ref}$", parsing_timeout=limit)
+            if not golds[ref]:
+                raise UserError(f"reward function math_answer: the {key} of sample {i} ({_excerpt(ref)}) holds no "
+                                "expression math-verify can parse")
+            pred = parse(completion, parsing_timeout=limit)
+            out.append(float(bool(pred) and verify(golds[ref], pred, timeout_seconds=limit)))
+        return out
+    finally:
+        if outer:
+            signal.alarm(max(1, outer - int(time.monotonic() - t0)))
+
+
+def boxed_format(prompts, completions, **columns) -> list[float]:
+    """The format math_answer reads best: 1.0 when the completion contains exactly one `\\boxed{...}` whose braces
+    balance and whose content is not blank, else 0.0 (none, two or more, an unclosed one, or `\\boxed{}`)."""
+    out = []
+    for text in completions:
+        boxes, ok, start = 0, True, text.find("\\boxed{")
+        while start >= 0:
+            depth, j = 1, start + len("\\boxed{")
+            while j < len(text) and depth:
+                depth += {"{": 1, "}": -1}.get(text[j], 0)
+                j += 1
+            boxes += 1
+            ok = ok and depth == 0 and bool(text[start + len("\\boxed{"):j - 1].strip())
+            start = text.find("\\boxed{", j)
+        out.append(float(ok and boxes == 1))
+    return out
+
+
+def reward_columns(rows: list[dict], exclude=("prompt",)) -> dict[str, list]:
+    """Dataset rows, one per response (a prompt's row repeated for each of its generations) -> {column: values}, the
+    keyword arguments reward functions receive: every key but those in `exclude`. All rows must have the same keys
+    (a UserError names the first row that differs)."""
+    if not rows:
+        return {}
+    keys = [k for k in rows[0] if k not in exclude]
+    for i, row in enumerate(rows):
+        if set(row).difference(exclude) != set(keys):
+            got = sorted(set(row).difference(exclude))
+            raise UserError(f"reward columns: row {i} has columns {got} but row 0 has {sorted(keys)}; every row must "
+                            "have the same columns")
+    return {k: [row[k] for row in rows] for k in keys}
 
 
 def load_reward_fn(spec: str):
@@ -61,16 +168,85 @@ def _excerpt(x, n: int = 60) -> str:
     return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
-def call_reward_fn(name: str, fn, prompts: list, completions: list[str]) -> torch.Tensor:
-    """Run one reward function and check what it returns: (B,) float32. An exception, a result of the wrong length,
-    or a non-finite or non-numeric value raises UserError naming the function and the sample (index and prompt).
-    When the batch call raises, the samples are retried one by one to find the one that fails."""
+RESERVED = ("prompts", "completions", "completion_ids")
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _call_plan(name: str, fn, keys: list[str]) -> tuple[list[str] | None, list[str]]:
+    """How to call reward function `fn` given the keyword arguments on offer (`keys`: column names, plus
+    `completion_ids` when known) -> (which of `prompts`/`completions` go by keyword, or None for both positionally;
+    the keys to pass by keyword). A function with a `completions` parameter gets everything by keyword (TRL's
+    convention), any other the two lists positionally; either gets the keys it names, or all of them if it takes
+    **kwargs. A required parameter with nothing to fill it is a UserError naming the function and the column; an
+    unreadable signature (some builtins) gets the two lists only, as before columns existed."""
     try:
-        values = list(fn(prompts, completions))
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None, []
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in _NAMED}
+    if "completions" in named:
+        lists = [k for k in ("prompts", "completions") if var_kw or k in named]
+        taken = {"prompts", "completions"}
+    else:
+        lists, taken = None, {p.name for p in [p for p in params if p.kind in _POSITIONAL][:2]}
+    passed = [k for k in keys if k not in taken and (var_kw or k in named)]
+    missing = [p.name for p in params
+               if p.kind in _NAMED and p.default is p.empty and p.name not in taken and p.name not in passed]
+    if missing:
+        have = ", ".join(repr(k) for k in keys if k != "completion_ids") or "none"
+        raise UserError(f"reward function {name} needs column {', '.join(map(repr, missing))}, which the data does not "
+                        f"have (columns: {have})")
+    try:
+        if lists is None:
+            inspect.signature(fn).bind(None, None, **dict.fromkeys(passed))
+        else:
+            inspect.signature(fn).bind(**dict.fromkeys(lists + passed))
+    except TypeError as e:
+        how = "fn(prompts, completions, **columns)" if lists is None else "fn(prompts=, completions=, **columns)"
+        raise UserError(f"reward function {name} cannot be called as {how}: {e}") from None
+    return lists, passed
+
+
+def _invoke(fn, plan: tuple[list[str] | None, list[str]], prompts: list, completions: list, extra: dict):
+    lists, passed = plan
+    kwargs = {k: extra[k] for k in passed}
+    if lists is None:
+        return fn(prompts, completions, **kwargs)
+    return fn(**{k: {"prompts": prompts, "completions": completions}[k] for k in lists}, **kwargs)
+
+
+def call_reward_fn(name: str, fn, prompts: list, completions: list[str], columns: dict[str, list] | None = None,
+                   completion_ids: list | None = None) -> torch.Tensor:
+    """Run one reward function and check what it returns: (B,) float32. `columns` (name -> one value per completion)
+    and `completion_ids` are passed as keyword arguments as far as the function's signature takes them (see the
+    module docstring). An exception, a result of the wrong length, or a non-finite or non-numeric value raises
+    UserError naming the function and the sample (index and prompt); a UserError raised by the function passes as
+    it is. When the batch call raises, the samples are retried one by one (columns sliced alike) to find the one
+    that fails."""
+    extra = dict(columns or {})
+    for key, values in extra.items():
+        if key in RESERVED:
+            raise UserError(f"reward column {key!r}: the name is taken by the reward function arguments "
+                            f"({', '.join(RESERVED)}); rename the dataset column")
+        if len(values) != len(completions):
+            raise UserError(f"reward column {key!r} has {len(values)} values for {len(completions)} completions "
+                            "(one per completion: repeat a prompt row's values for each of its generations)")
+    if completion_ids is not None:
+        extra["completion_ids"] = completion_ids
+    plan = _call_plan(name, fn, list(extra))
+    try:
+        values = list(_invoke(fn, plan, prompts, completions, extra))
+    except UserError:
+        raise
     except Exception as e:
         for i in range(len(completions)):
             try:
-                fn(prompts[i:i + 1], completions[i:i + 1])
+                _invoke(fn, plan, prompts[i:i + 1], completions[i:i + 1],
+                        {k: v[i:i + 1] for k, v in extra.items()})
+            except UserError:
+                raise
             except Exception as e1:
                 raise UserError(f"reward function {name} raised {type(e1).__name__}: {e1} on sample {i} "
                                 f"(prompt {_excerpt(prompts[i])}, completion {_excerpt(completions[i])})") from None
@@ -108,22 +284,26 @@ class Rewards:
             raise UserError(f"--reward_weights: {len(self.weights)} weight(s) for {n} reward source(s) "
                             "(--reward_fn entries, then --reward_model_name_or_path)")
 
-    def __call__(self, prompts: list, completions: list[str], truncated: torch.Tensor) -> torch.Tensor:
-        sources = [call_reward_fn(name, fn, prompts, completions) for name, fn in self.fns]
+    def __call__(self, prompts: list, completions: list[str], truncated: torch.Tensor,
+                 columns: dict[str, list] | None = None, *, completion_ids: list | None = None) -> torch.Tensor:
+        """Scores (B,). `columns`: the dataset's other columns, name -> one value per response (see reward_columns),
+        passed to the reward functions that take them; `completion_ids`: each response's token ids, likewise."""
+        sources = [call_reward_fn(name, fn, prompts, completions, columns, completion_ids) for name, fn in self.fns]
         sources += [self.reward_model.score(prompts, completions)] if self.reward_model else []
         return truncation_penalty(weighted_sum(sources, self.weights), truncated, self.missing_eos_penalty)
 
-    def of_rollout(self, prompts: list, rollout, tokenizer) -> torch.Tensor:
+    def of_rollout(self, prompts: list, rollout, tokenizer, columns: dict[str, list] | None = None) -> torch.Tensor:
         """Scores (B,) of a rollout.Rollout's responses, decoded with the policy's `tokenizer` (special tokens
-        dropped); `prompts` are the dataset's prompt fields, one per response."""
-        completions = tokenizer.batch_decode([r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)],
-                                             skip_special_tokens=True)
-        return self(prompts, completions, rollout.truncated)
+        dropped); `prompts` are the dataset's prompt fields and `columns` its other columns, one per response.
+        The reward functions may also take `completion_ids` (the responses' token ids, lists of ints)."""
+        ids = [r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)]
+        completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return self(prompts, completions, rollout.truncated, columns, completion_ids=[x.tolist() for x in ids])
 
 
 class RewardModel:
     """A frozen HF sequence-classification model (num_labels=1) with its own tokenizer. `model` may be a ZeRO-3
-    inference engine (see actor_critic.frozen): every process must then call score() the same number of times
+    inference engine (see engine.frozen): every process must then call score() the same number of times
     with the same number of samples."""
 
     def __init__(self, model, tokenizer, device, max_length: int = 1024, batch_size: int = 16):
@@ -161,7 +341,7 @@ class RewardModel:
 
 
 def load_reward_model(path: str, load_frozen, device, max_length: int, batch_size: int) -> RewardModel:
-    """A RewardModel from a local directory or hub id; `load_frozen(loader)` places it (actor_critic.frozen)."""
+    """A RewardModel from a local directory or hub id; `load_frozen(loader)` places it (engine.frozen)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from verl_kit.models import resolve_model_path

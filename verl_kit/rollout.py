@@ -1,18 +1,18 @@
 """Rollout: prompts in; response token ids, response mask and sampling log-probs out.
 
-A backend has two methods: `load_weights(actor)` (the weight-sync hook, called after every update) and
-`generate(prompts, params) -> Rollout`. The HF-generate backend below keeps a plain (unsharded, hook-free) copy of
-the policy on each process. Under ZeRO-3, calling generate on the training engine would all-gather every layer's
-parameters again at every generated token; here they are gathered once per update, parameter by parameter
-(`load_weights`), and generation then runs at plain-model speed. Measured (2 processes, ZeRO-3, CPU/gloo, 32 samples x
-32 new tokens, EOS ignored): the ~20M-parameter bench Llama takes 13.3 s to generate on the engine against 0.25 s of
-weight sync + 3.1 s of generation on the copy (4.0x); the 0.7M-parameter tiny model 1.23 s against 0.02 + 0.57 s (2.1x).
-The price is one unsharded copy of the policy per process (in bf16 on GPU). A vLLM backend plugs in behind the same
-two methods (load_weights pushes the gathered tensors into the engine instead of into a copy).
+A backend has three methods: `load_weights(actor) -> dict` (the weight sync, called after every update; returns
+weight_sync/* metrics), `generate(prompts, params) -> Rollout` and `close()`. `make_backend` builds the one `--rollout`
+names: HF generate (below), or a vLLM engine or server (verl_kit.vllm_rollout).
+
+The HF-generate backend keeps a plain (unsharded, hook-free) copy of the policy on each process. Under ZeRO-3, calling
+generate on the training engine would all-gather every layer's parameters again at every generated token; here they
+are gathered once per update, parameter by parameter (`load_weights`), and generation then runs at plain-model speed
+(measured in README). The price is one unsharded copy of the policy per process (in bf16 on GPU).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +49,43 @@ class Rollout:
     response_mask: torch.Tensor
     sampling_logprobs: torch.Tensor
     truncated: torch.Tensor
+
+
+@dataclass
+class Prompts:
+    """A split of prompts: the dataset `rows` (dicts: `prompt` and the other columns the rewards may read) and their
+    token `ids` (the prompt rendered with the chat template, truncated)."""
+
+    rows: list[dict]
+    ids: list[list[int]]
+
+
+def load_prompt_splits(cfg, tokenizer) -> tuple[Prompts, Prompts]:
+    """The train and held-out prompts of a recipe config (the held-out set is empty without a test split)."""
+    from verl_kit.data import load_splits
+
+    train_ds, test_ds = load_splits(cfg)
+    splits = []
+    for ds, source in ((train_ds, cfg.dataset_name), (test_ds, f"{cfg.dataset_name}[{cfg.dataset_test_split}]")):
+        rows = list(ds) if ds is not None else []
+        splits.append(Prompts(rows, load_prompts(rows, tokenizer, cfg.max_prompt_length, source)))
+    return splits[0], splits[1]
+
+
+def rollout_sums(ro: Rollout, scores: torch.Tensor) -> dict:
+    """This process's sums for the rollout metrics of a step (reduce them over processes, then rollout_metrics)."""
+    return {"responses": len(scores), "score": scores.sum(), "score_sq": (scores ** 2).sum(),
+            "response_tokens": ro.response_mask.sum(), "truncated": ro.truncated.sum(),
+            "prompt_tokens": sum(len(p) for p in ro.prompt_ids)}
+
+
+def rollout_metrics(t: dict, max_length: float, step_seconds: float) -> dict:
+    """reward/*, response_length/* and perf/tokens_per_s from rollout_sums reduced over all processes."""
+    n, mean = t["responses"], t["score"] / t["responses"]
+    return {"reward/mean": mean, "reward/std": max(t["score_sq"] / n - mean ** 2, 0.0) ** 0.5,
+            "response_length/mean": t["response_tokens"] / n, "response_length/max": max_length,
+            "response_length/clip_ratio": t["truncated"] / n,
+            "perf/tokens_per_s": (t["response_tokens"] + t["prompt_tokens"]) / step_seconds}
 
 
 def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[list[int]]:
@@ -109,14 +146,16 @@ class HFGenerateBackend:
         """Nothing to release (the vLLM backends stop their engine or server here)."""
 
     @torch.no_grad()
-    def load_weights(self, actor) -> None:
+    def load_weights(self, actor) -> dict:
         """Weight sync: copy the (unwrapped) actor's parameters, gathered one at a time under ZeRO-3. Collective:
         every process calls it, at the same point."""
         from verl_kit.models import gathered_params
 
+        t0 = time.time()
         for name, p in actor.named_parameters():
             with gathered_params(actor, [p]):
                 self.model.get_parameter(name).copy_(p.data)
+        return {"weight_sync/seconds": time.time() - t0}
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
@@ -153,19 +192,60 @@ def evaluate(accelerator, engine, prompts: list[list[int]], raw_prompts: list, p
     """Mean score of the responses to held-out prompts (`score(raw_prompts, rollout) -> (B,)`, no KL term), the
     prompts sharded over processes, `batch_size` per generate call. Every process makes the same calls (ZeRO-3
     lockstep). The torch RNG is forked, so a run samples the same training rollouts with or without evaluation."""
-    from verl_kit.distributed import all_reduce_sum, shard
+    from verl_kit.distributed import Tally, shard
 
     world, rank, n = accelerator.num_processes, accelerator.process_index, len(prompts)
     mine = shard(n, rank, world)
-    total = torch.zeros(3, dtype=torch.float64)  # responses, score sum, response tokens
+    tally = Tally()
     with torch.random.fork_rng():
         for i in range(0, len(mine), batch_size):
             idx = mine[i:i + batch_size]
             ro = engine.generate([prompts[j] for j in idx], params)
             scores = score([raw_prompts[j] for j in idx for _ in range(params.n)], ro).view(len(idx), params.n)
             real = torch.tensor([rank + world * (i + k) < n for k in range(len(idx))])  # not shard()'s wrap-around
-            total += torch.tensor([float(real.sum()) * params.n, scores[real].sum().item(),
-                                   float(ro.response_mask.view(len(idx), params.n, -1)[real].sum())],
-                                  dtype=torch.float64)
-    count, s_sum, tokens = all_reduce_sum(accelerator, total.tolist())
-    return {"eval/reward_mean": s_sum / count, "eval/response_length": tokens / count}
+            tally.add(responses=float(real.sum()) * params.n, score=scores[real],
+                      tokens=ro.response_mask.view(len(idx), params.n, -1)[real])
+    t = tally.reduce()
+    return {"eval/reward_mean": t["score"] / t["responses"], "eval/response_length": t["tokens"] / t["responses"]}
+
+
+def make_backend(cfg, accelerator, actor, model_path: str, tokenizer, probe_prompts: list[list[int]]):
+    """The `--rollout` backend (OnlineConfig flags) for the unwrapped `actor`, in bf16 when training is: HF generate
+    on a plain copy, a vLLM engine in each process, or a vLLM server. Collective for vllm-server without a URL:
+    process 0 starts a server on a free 127.0.0.1 port (stopped at exit, or when this process dies) and every process
+    connects to it; only process 0 pushes weights to it."""
+    dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+    if cfg.rollout == "hf":
+        return HFGenerateBackend(actor, tokenizer, accelerator.device, dtype)
+    from verl_kit.vllm_rollout import VLLMColocated, VLLMServer
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    vllm_dtype = str(dtype).removeprefix("torch.")
+    common = dict(bucket_mb=cfg.vllm_sync_bucket_mb, sync_timeout_s=cfg.vllm_sync_timeout_s,
+                  probe_prompts=probe_prompts, probe_threshold=cfg.vllm_probe_threshold)
+    if cfg.rollout == "vllm":
+        return VLLMColocated(model_path, tokenizer, dtype=vllm_dtype, seed=cfg.seed + rank,
+                             max_model_len=cfg.max_length, tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                             max_num_seqs=cfg.vllm_max_num_seqs,
+                             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                             enable_sleep_mode=cfg.vllm_enable_sleep_mode, kv_cache_gib=cfg.vllm_kv_cache_gib,
+                             **common)
+    server, url = None, cfg.vllm_server_url
+    if not url:
+        if rank == 0:
+            import atexit
+
+            from verl_kit.vllm_server import ServerProcess
+
+            server = ServerProcess(model_path, dtype=vllm_dtype, kv_cache_gib=cfg.vllm_kv_cache_gib,
+                                   max_num_seqs=cfg.vllm_max_num_seqs, max_model_len=cfg.max_length,
+                                   extra=["--tensor-parallel-size", str(cfg.vllm_tensor_parallel_size),
+                                          "--seed", str(cfg.seed)])
+            atexit.register(server.stop)
+        box = [server.url if server else None]
+        if world > 1:
+            torch.distributed.broadcast_object_list(box, src=0)
+        url = box[0]
+    client = VLLMServer(url, tokenizer, pushes=rank == 0, **common)
+    client.server = server
+    return client

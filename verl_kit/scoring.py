@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from verl_kit.distributed import all_gather, shard, unshard
+from verl_kit.metrics import progress
 from verl_kit.packing import TokenBatch, forward_logits, layout, sequence_logprobs
 
 Sequences = tuple[list[list[int]], list[list[bool]]]  # token ids and loss masks of an example's k sequences
@@ -26,15 +27,18 @@ def make_batch(items: list[Sequences], cfg, pad_id: int, block_mask: bool) -> To
 
 
 @torch.no_grad()
-def score_items(accelerator, model, items: list[Sequences], cfg, pad_id: int, block_mask: bool) -> torch.Tensor:
+def score_items(accelerator, model, items: list[Sequences], cfg, pad_id: int, block_mask: bool,
+                desc: str = "scoring") -> torch.Tensor:
     """Summed completion log-probs of every sequence of every item: (n_items, k), on CPU, identical on all ranks.
-    Every rank scores ceil(n/world) items in the same number of forward passes (ZeRO-3 needs lockstep)."""
+    Every rank scores ceil(n/world) items in the same number of forward passes (ZeRO-3 needs lockstep); progress is
+    shown as `desc`."""
     was_training = model.training
     model.eval()
     mine = shard(len(items), accelerator.process_index, accelerator.num_processes)
     k = len(items[0][0])
     out = []
-    for i in range(0, len(mine), cfg.per_device_eval_batch_size):
+    starts = range(0, len(mine), cfg.per_device_eval_batch_size)
+    for i in progress(starts, desc, len(starts), accelerator.is_main_process):
         chunk = [items[j] for j in mine[i:i + cfg.per_device_eval_batch_size]]
         batch = make_batch(chunk, cfg, pad_id, block_mask).to(accelerator.device)
         out.append(sequence_logprobs(forward_logits(model, batch), batch).float().view(len(chunk), k))

@@ -2,9 +2,9 @@
 
 VLLMColocated   a `vllm.LLM` engine inside each training process (its engine core runs in a child process; the
                 script that builds it needs an `if __name__ == "__main__":` guard).
-VLLMServer      a client of an OpenAI-compatible vLLM server (`make vllm-serve MODEL=...`, or `start_server` for a
-                run): health check with a connect timeout, retries with backoff on transient errors, a clear error
-                instead of a hang when the server goes away.
+VLLMServer      a client of an OpenAI-compatible vLLM server (`make vllm-serve MODEL=...`, or one a run
+                starts itself: verl_kit.vllm_server): health check with a connect timeout, retries with
+                backoff on transient errors, a clear error instead of a hang when the server goes away.
 
 Both return response token ids and the log-probs of the sampled tokens under the sampling distribution (the engine
 runs with logprobs_mode=processed_logprobs: temperature, top-k and top-p applied, like the HF backend), and
@@ -15,27 +15,18 @@ Memory: on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB (`kv_cache_gib`). To f
 give the engine a small `gpu_memory_utilization` (its weights + KV cache, e.g. 0.3 for a 7B bf16 policy on 80 GB)
 and `enable_sleep_mode`: the KV cache and weights are released after each rollout and restored before the next, so
 the ZeRO-3 update gets the memory back (vLLM on CPU does not support sleep mode; it is ignored there).
-
-    python -m verl_kit.vllm_rollout serve --model tiny-llama --port 8000     # what `make vllm-serve` runs
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from verl_kit.config import TrainConfig
 from verl_kit.errors import UserError
-from verl_kit.rollout import HFGenerateBackend, Rollout, SamplingParams
+from verl_kit.rollout import Rollout, SamplingParams
 from verl_kit.weight_sync import (
     WORKER_EXTENSION,
     all_reduce_max,
@@ -297,227 +288,3 @@ class VLLMServer(_Checked):
         choices = self._completions(seqs, dict(max_tokens=1, temperature=1.0, prompt_logprobs=0))
         return [torch.tensor([lp[str(t)]["logprob"] for t, lp in zip(s[1:], c["prompt_logprobs"][1:])])
                 for s, c in zip(seqs, choices)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_command(model_path: str, port: int, *, dtype: str = "auto", max_num_seqs: int = 256,
-                  max_model_len: int | None = None, extra: list[str] = ()) -> list[str]:
-    """The vLLM OpenAI server command for weight-synced rollouts, bound to 127.0.0.1 unless `extra` says --host."""
-    host = [] if "--host" in extra else ["--host", "127.0.0.1"]
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, *host,
-            "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
-            *(["--max-model-len", str(max_model_len)] if max_model_len else []),
-            "--worker-extension-cls", WORKER_EXTENSION,
-            "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
-            *([] if _on_gpu() else ["--enforce-eager"]), *extra]
-
-
-def serve_env(kv_cache_gib: int = 1) -> dict:
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # /collective_rpc and /reset_prefix_cache for the weight sync
-    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
-    return env
-
-
-def _terminate_with_parent() -> None:
-    """In the server's child process before exec (Linux): SIGTERM it when the process that started it dies, even by
-    SIGKILL, when atexit and `stop()` never run. The server then shuts its engine core down itself."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-class ServerProcess:
-    """A vLLM server started for a run: `with ServerProcess(path) as server: VLLMServer(server.url, tok)`.
-    Startup waits for /health (up to startup_timeout_s) and fails with the log's tail if the server exits first.
-    The server is stopped by stop() (atexit in make_backend), or by the kernel when the starting process dies."""
-
-    def __init__(self, model_path: str, *, port: int | None = None, startup_timeout_s: float = 600,
-                 log_path: str | None = None, kv_cache_gib: int = 1, **serve_kwargs):
-        import requests
-
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path or os.path.join("/tmp", f"verl_kit_vllm_{self.port}.log")
-        self.log = open(self.log_path, "w")
-        cmd = serve_command(model_path, self.port, **serve_kwargs)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=serve_env(kv_cache_gib),
-                                     start_new_session=True, preexec_fn=_terminate_with_parent)
-        deadline = time.time() + startup_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                self.log.flush()
-                tail = open(self.log_path).read()[-3000:]
-                self.stop()
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode} while starting:\n{tail}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                self.stop()
-                raise RuntimeError(f"vLLM server not healthy after {startup_timeout_s}s; log: {self.log_path}")
-            time.sleep(1)
-        logger.info("vLLM server ready at %s (log %s)", self.url, self.log_path)
-
-    def stop(self, timeout_s: float = 30) -> None:
-        """SIGTERM the server's process group, SIGKILL it if it is not gone within timeout_s."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        try:  # the engine core and workers share the group; make sure none outlives the server
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.log.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
-
-@dataclass
-class RolloutConfig:
-    """Rollout backend flags, mixed into a recipe's config: `class PPOConfig(TrainConfig, RolloutConfig)`."""
-
-    rollout: str = field(default="hf", metadata={
-        "help": "hf (HF generate), vllm (a vLLM engine in each training process) or vllm-server"})
-    vllm_server_url: str | None = field(default=None, metadata={
-        "help": "vllm-server: URL of a running server (`make vllm-serve`); unset: the run starts one on 127.0.0.1"})
-    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vllm: GPUs per engine"})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={
-        "help": "vllm: share of GPU memory for the engine's weights and KV cache"})
-    vllm_max_num_seqs: int = field(default=256, metadata={"help": "vLLM: sequences decoded together"})
-    vllm_enable_sleep_mode: bool = field(default=False, metadata={
-        "help": "vllm: release the engine's GPU memory during the update (GPU only)"})
-    vllm_kv_cache_gib: int = field(default=1, metadata={"help": "vLLM on CPU: KV cache GiB (VLLM_CPU_KVCACHE_SPACE)"})
-    vllm_sync_bucket_mb: float = field(default=64, metadata={
-        "help": "weight sync: MiB of parameters gathered and sent at a time"})
-    vllm_sync_timeout_s: float = field(default=600, metadata={"help": "weight sync: seconds before it fails"})
-    vllm_probe_size: int = field(default=4, metadata={
-        "help": "prompts scored by engine and trainer after each sync (0: no probe)"})
-    vllm_probe_threshold: float = field(default=1.0, metadata={
-        "help": "stop when the probe's max |logprob difference| exceeds this"})
-
-
-@dataclass
-class OnlineConfig(TrainConfig, RolloutConfig):
-    """Flags the online recipes (PPO, GRPO) share: prompts and sampling, rewards, old log-probs, rollout backend."""
-
-    prompts_per_step: int = field(default=32, metadata={"help": "prompts per step over all processes"})
-    num_generations: int = field(default=2, metadata={"help": "responses sampled per prompt"})
-    max_completion_length: int = field(default=16, metadata={"help": "max new tokens per response"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (also applied to log-probs)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling; 1.0 keeps every token"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling; 0 keeps every token"})
-    ignore_eos: bool = field(default=False, metadata={"help": "always generate max_completion_length (benchmarks)"})
-    reward_fn: str | None = field(default="verl_kit.rewards:kind_words", metadata={
-        "help": "comma-separated reward functions, module:function or path/to/file.py:function"})
-    reward_model_name_or_path: str | None = field(default=None, metadata={
-        "help": "HF sequence-classification reward model (its own tokenizer and chat template)"})
-    reward_weights: str | None = field(default=None, metadata={
-        "help": "comma-separated weights, one per reward_fn then the reward model; default all 1"})
-    missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of responses without EOS"})
-    old_logprobs: str = field(default="recompute", metadata={
-        "help": "recompute: an actor forward before the update; rollout: the sampling log-probs (as TRL's PPOTrainer)"})
-
-    def check(self, world: int) -> None:
-        """One-line UserErrors for the online flags (after parsing; `world` = number of processes)."""
-        if self.old_logprobs not in ("recompute", "rollout"):
-            raise UserError(f"--old_logprobs: {self.old_logprobs!r} is not one of recompute, rollout")
-        if self.old_logprobs == "rollout" and (self.top_p < 1.0 or self.top_k > 0):  # truncated != the policy
-            raise UserError("--old_logprobs rollout needs --top_p 1.0 and --top_k 0 (else sampling log-probs differ)")
-        if self.prompts_per_step % world:
-            raise UserError(f"--prompts_per_step {self.prompts_per_step} must be a multiple of the {world} processes")
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_completion_length,
-                              self.num_generations, self.ignore_eos)
-
-
-def rollout_backend(cfg: OnlineConfig, accelerator, actor, model_path: str, tokenizer, probe_prompts: list[list[int]]):
-    """The `--rollout` backend for an unwrapped `actor`: HF generate on a plain copy, a vLLM engine per process, or a
-    vLLM server (make_backend); in bf16 when training is."""
-    dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-    if cfg.rollout == "hf":
-        return HFGenerateBackend(actor, tokenizer, accelerator.device, dtype)
-    return make_backend(cfg, model_path, tokenizer, accelerator.process_index, accelerator.num_processes, dtype,
-                        probe_prompts, cfg.max_length, cfg.seed)
-
-
-def make_backend(cfg: RolloutConfig, model_path: str, tokenizer, rank: int, world: int, dtype: torch.dtype,
-                 probe_prompts: list[list[int]], max_model_len: int | None = None, seed: int = 0):
-    """`--rollout vllm|vllm-server` -> a backend. Collective for vllm-server without a URL: process 0 starts a
-    server on a free 127.0.0.1 port (stopped at exit) and every process connects to it; only process 0 pushes
-    weights to it."""
-    vllm_dtype = str(dtype).removeprefix("torch.")
-    common = dict(bucket_mb=cfg.vllm_sync_bucket_mb, sync_timeout_s=cfg.vllm_sync_timeout_s,
-                  probe_prompts=probe_prompts, probe_threshold=cfg.vllm_probe_threshold)
-    if cfg.rollout == "vllm":
-        return VLLMColocated(model_path, tokenizer, dtype=vllm_dtype, seed=seed + rank, max_model_len=max_model_len,
-                             tensor_parallel_size=cfg.vllm_tensor_parallel_size, max_num_seqs=cfg.vllm_max_num_seqs,
-                             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                             enable_sleep_mode=cfg.vllm_enable_sleep_mode, kv_cache_gib=cfg.vllm_kv_cache_gib,
-                             **common)
-    if cfg.rollout != "vllm-server":
-        raise UserError(f"--rollout: {cfg.rollout!r} is not one of hf, vllm, vllm-server")
-    server, url = None, cfg.vllm_server_url
-    if not url:
-        if rank == 0:
-            server = ServerProcess(model_path, dtype=vllm_dtype, kv_cache_gib=cfg.vllm_kv_cache_gib,
-                                   max_num_seqs=cfg.vllm_max_num_seqs, max_model_len=max_model_len,
-                                   extra=["--tensor-parallel-size", str(cfg.vllm_tensor_parallel_size),
-                                          "--seed", str(seed)])
-            atexit.register(server.stop)
-        box = [server.url if server else None]
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.broadcast_object_list(box, src=0)
-        url = box[0]
-    client = VLLMServer(url, tokenizer, pushes=rank == 0, **common)
-    client.server = server
-    return client
-
-
-def main(argv: list[str]) -> None:
-    """`serve`: run a weight-syncable vLLM server in the foreground (what `make vllm-serve` calls)."""
-    import argparse
-
-    from verl_kit.models import resolve_model_path
-
-    ap = argparse.ArgumentParser(prog="python -m verl_kit.vllm_rollout")
-    ap.add_argument("command", choices=["serve"])
-    ap.add_argument("--model", required=True, help="path, hub name or tiny-llama")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max_num_seqs", type=int, default=256)
-    ap.add_argument("--max_model_len", type=int, default=None, help="default: the model's maximum")
-    ap.add_argument("--kv_cache_gib", type=int, default=1, help="KV cache on CPU (VLLM_CPU_KVCACHE_SPACE)")
-    args, extra = ap.parse_known_args(argv)
-    path = resolve_model_path(args.model)
-    cmd = serve_command(path, args.port, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                        max_model_len=args.max_model_len, extra=extra)
-    print(" ".join(cmd), flush=True)
-    os.execve(cmd[0], cmd, serve_env(args.kv_cache_gib))
-
-
-if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

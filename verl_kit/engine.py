@@ -1,0 +1,107 @@
+"""Models placed for training or inference on any backend (one process, DDP, DeepSpeed ZeRO-2/3): the one place where
+an optimizer step happens.
+
+Trainable  a model with its own AdamW, LR schedule and (under DeepSpeed) its own engine. Every recipe drives every
+           trained model the same way:
+               for chunk in model.accumulate(chunks):   # micro-batches of one optimizer step
+                   model.backward(loss_of(chunk))        # accumulates, never steps
+               grad_norm = model.step()                  # always steps: clip, update, zero, advance the schedule
+frozen()   a model that is only run forward (reference, reward model): a ZeRO-3 inference engine over its shards, or
+           a plain module on the device.
+
+Several Trainables can live in one run (PPO's actor and critic): each is made by its own `accelerator.prepare(model,
+optimizer)` with the same DeepSpeed plugin, so each has its own optimizer, clipping norm and grad norm, and
+accelerate's save_state/load_state checkpoints every engine with its optimizer. One catch (accelerate 1.15,
+Accelerator.backward): every loss would go to the engine prepared first, so Trainable drives each DeepSpeed engine
+through DeepSpeed's public backward/step instead of accelerator.backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from verl_kit.distributed import zero_stage
+
+
+class Trainable:
+    """A trained model, its optimizer and LR schedule (see the module docstring for the loop). Reads the optimizer
+    flags of a TrainConfig (`weight_decay`, `lr_scheduler_type`, `warmup_ratio`, `max_grad_norm`); `learning_rate`
+    is passed so that two models of one run (actor, critic) can differ."""
+
+    def __init__(self, accelerator, model: nn.Module, cfg, learning_rate: float, total_steps: int):
+        from transformers import get_scheduler
+
+        self.accelerator, self.max_grad_norm = accelerator, cfg.max_grad_norm
+        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=cfg.weight_decay)
+        self.scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, int(cfg.warmup_ratio * total_steps),
+                                       total_steps)
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        accelerator.register_for_checkpointing(self.scheduler)  # stepped here: accelerate would step it per process
+        self.deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
+
+    def accumulate(self, chunks: list) -> Iterator:
+        """Yield the micro-batches of one optimizer step. Gradients of each `backward` inside accumulate locally and
+        are reduced over processes on the last micro-batch only (DDP's no_sync around its forward and backward,
+        DeepSpeed's gradient-accumulation boundary). Nothing is updated until `step()`."""
+        for j, chunk in enumerate(chunks):
+            last = j == len(chunks) - 1
+            if self.deepspeed:
+                self.model.set_gradient_accumulation_boundary(last)
+                yield chunk
+                continue
+            self.accelerator.sync_gradients = last
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
+                yield chunk
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradients of `loss` (a micro-batch of `accumulate`). Never updates the model."""
+        if self.deepspeed:
+            self.model.backward(loss)
+        else:
+            self.accelerator.backward(loss)
+
+    def step(self, schedule: bool = True) -> float:
+        """Apply the accumulated update, clipped to max_grad_norm, zero the gradients and, if `schedule`, advance the
+        LR schedule by one. Returns the global gradient norm before clipping."""
+        if self.deepspeed:  # the engine clips (gradient_clipping = max_grad_norm), steps and zeroes
+            self.model.step()
+            norm = self.model.get_global_grad_norm()
+            norm = float(norm) if norm is not None else float("nan")
+        else:
+            norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        if schedule:
+            self.scheduler.step()
+        return norm
+
+    @property
+    def learning_rate(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def unwrapped(self) -> nn.Module:
+        """The HF model inside the DDP/DeepSpeed wrapper (its parameters are still ZeRO-3 shards)."""
+        return self.accelerator.unwrap_model(self.model)
+
+
+def frozen(accelerator, loader):
+    """Build a frozen model with `loader()` and place it: under ZeRO-3 a DeepSpeed inference engine over its shards
+    (every process must then run the same number of forward passes; 1/world of its size per process, as TRL's
+    prepare_deepspeed does), otherwise a plain module on the device."""
+    if zero_stage(accelerator) == 3:
+        import deepspeed
+
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                  "train_micro_batch_size_per_gpu": 1, "bf16": copy.deepcopy(ds.get("bf16", {"enabled": False}))}
+        model = loader()
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()  # DeepSpeedEngine.eval() returns None
+        return engine
+    return loader().to(accelerator.device).requires_grad_(False).eval()

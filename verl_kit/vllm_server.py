@@ -1,0 +1,143 @@
+"""The vLLM OpenAI server a run (or `make vllm-serve`) starts for weight-synced rollouts: its command, environment and
+process lifecycle. The client side is verl_kit.vllm_rollout.VLLMServer.
+
+    python -m verl_kit.vllm_server serve --model tiny-llama --port 8000     # what `make vllm-serve` runs
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+from verl_kit.errors import UserError
+from verl_kit.weight_sync import WORKER_EXTENSION
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(model_path: str, port: int, *, dtype: str = "auto", max_num_seqs: int = 256,
+                  max_model_len: int | None = None, extra: list[str] = ()) -> list[str]:
+    """The vLLM OpenAI server command for weight-synced rollouts, bound to 127.0.0.1 unless `extra` says --host."""
+    host = [] if "--host" in extra else ["--host", "127.0.0.1"]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, *host,
+            "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+            *(["--max-model-len", str(max_model_len)] if max_model_len else []),
+            "--worker-extension-cls", WORKER_EXTENSION,
+            "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
+            *([] if torch.cuda.is_available() else ["--enforce-eager"]), *extra]
+
+
+def serve_env(kv_cache_gib: int = 1) -> dict:
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # /collective_rpc and /reset_prefix_cache for the weight sync
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+    return env
+
+
+def _terminate_with_parent() -> None:
+    """In the server's child process before exec (Linux): SIGTERM it when the process that started it dies, even by
+    SIGKILL, when atexit and `stop()` never run. The server then shuts its engine core down itself."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ServerProcess:
+    """A vLLM server started for a run: `with ServerProcess(path) as server: VLLMServer(server.url, tok)`.
+    Startup waits for /health (up to startup_timeout_s) and fails with the log's tail if the server exits first.
+    The server is stopped by stop() (atexit in rollout.make_backend), or by the kernel when the starting process
+    dies."""
+
+    def __init__(self, model_path: str, *, port: int | None = None, startup_timeout_s: float = 600,
+                 log_path: str | None = None, kv_cache_gib: int = 1, **serve_kwargs):
+        import requests
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path or os.path.join("/tmp", f"verl_kit_vllm_{self.port}.log")
+        self.log = open(self.log_path, "w")
+        cmd = serve_command(model_path, self.port, **serve_kwargs)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=serve_env(kv_cache_gib),
+                                     start_new_session=True, preexec_fn=_terminate_with_parent)
+        deadline = time.time() + startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                self.log.flush()
+                tail = open(self.log_path).read()[-3000:]
+                self.stop()
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode} while starting:\n{tail}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"vLLM server not healthy after {startup_timeout_s}s; log: {self.log_path}")
+            time.sleep(1)
+        logger.info("vLLM server ready at %s (log %s)", self.url, self.log_path)
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM the server's process group, SIGKILL it if it is not gone within timeout_s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # the engine core and workers share the group; make sure none outlives the server
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def main(argv: list[str]) -> None:
+    """`serve`: run a weight-syncable vLLM server in the foreground (what `make vllm-serve` calls)."""
+    import argparse
+
+    from verl_kit.models import resolve_model_path
+
+    ap = argparse.ArgumentParser(prog="python -m verl_kit.vllm_server")
+    ap.add_argument("command", choices=["serve"])
+    ap.add_argument("--model", required=True, help="path, hub name or tiny-llama")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max_num_seqs", type=int, default=256)
+    ap.add_argument("--max_model_len", type=int, default=None, help="default: the model's maximum")
+    ap.add_argument("--kv_cache_gib", type=int, default=1, help="KV cache on CPU (VLLM_CPU_KVCACHE_SPACE)")
+    args, extra = ap.parse_known_args(argv)
+    path = resolve_model_path(args.model)
+    cmd = serve_command(path, args.port, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                        max_model_len=args.max_model_len, extra=extra)
+    print(" ".join(cmd), flush=True)
+    os.execve(cmd[0], cmd, serve_env(args.kv_cache_gib))
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
