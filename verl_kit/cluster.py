@@ -226,113 +226,175 @@ def _uses_deepspeed(config_file: str) -> bool:
     return cfg.get("distributed_type") == "DEEPSPEED" and "deepspeed_multinode_launcher" not in ds
 
 
-def drive(args) -> int:
-    """Job entrypoint on the head node. Returns 0 when every node's launch exits 0, else 1."""
+def _say(msg: str) -> None:
+    print(f"[cluster] {msg}", flush=True)
+
+
+def _bundle(args) -> tuple[dict, int]:
+    """The resources reserved on each node, and the GPUs among them."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    def say(msg: str) -> None:
-        print(f"[cluster] {msg}", flush=True)
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `ray job stop`: run the finally below
-    ray.init(log_to_driver=False)
     gpus = args.gpus_per_node
     if gpus < 0:
         gpus = args.procs_per_node if ray.cluster_resources().get("GPU", 0) > 0 else 0
-    bundle = {"CPU": args.cpus_per_node, **({"GPU": gpus} if gpus else {})}
-    pg, agents, infos = None, [], []
+    return {"CPU": args.cpus_per_node, **({"GPU": gpus} if gpus else {})}, gpus
+
+
+def _placed(args, pg, bundle: dict) -> bool:
+    """Wait for the placement group; False (after saying why) if the cluster cannot hold it in time."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        ray.get(pg.ready(), timeout=args.placement_timeout_s)
+        return True
+    except GetTimeoutError:
+        alive = [f"{n['NodeManagerAddress']} {n['Resources']}" for n in ray.nodes() if n["Alive"]]
+        _say(f"error: could not place {args.nodes} nodes x {bundle} (one bundle per node, STRICT_SPREAD) within "
+             f"{args.placement_timeout_s}s; alive nodes: {alive or 'none'}")
+        return False
+
+
+def _add_agents(args, pg, gpus: int, agents: list) -> None:
+    """One NodeAgent per bundle, appended to `agents` as they are created so the caller can always clean them up."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    Agent = ray.remote(NodeAgent)
+    for i in range(args.nodes):
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        agents.append(Agent.options(scheduling_strategy=strategy, num_cpus=args.cpus_per_node, num_gpus=gpus,
+                                    max_concurrency=4, name=None).remote(i))
+
+
+def _node_env(args, info: dict) -> tuple[dict, list[str]]:
+    """The extra environment of one node's launch, and its GLOO/NCCL socket interfaces as chosen."""
+    env = {"PYTHONUNBUFFERED": "1", "VERL_KIT_NO_BAR": os.environ.get("VERL_KIT_NO_BAR", "1")}
+    # Sockets go over the interface that carries this node's Ray address unless the user chose one; a
+    # loopback choice (fine for one-node tests) cannot reach other nodes, so it yields too.
+    chosen = []
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        value = os.environ.get(var)
+        if info["ifname"] and (not value or (value == "lo" and args.nodes > 1)):
+            env[var] = value = info["ifname"]
+        chosen.append(str(value))
+    return env, chosen
+
+
+def _start_nodes(args, agents: list) -> list[dict]:
+    """Start `accelerate launch` on every node, rendezvousing on node 0; returns each node's info()."""
+    import ray
+
+    infos = ray.get([a.info.remote() for a in agents], timeout=args.placement_timeout_s)
+    main_ip = infos[0]["ip"]
+    port = args.main_process_port or ray.get(agents[0].free_port.remote(main_ip), timeout=60)
+    ds_standard = args.nodes > 1 and _uses_deepspeed(args.accelerate_config)
+    for i, (agent, info) in enumerate(zip(agents, infos)):
+        env, chosen = _node_env(args, info)
+        cmd = launch_command(args, i, main_ip, port, ds_standard)
+        _say(f"node {i}: {info['host']} {info['ip']} (GLOO/NCCL_SOCKET_IFNAME={'/'.join(chosen)}): "
+             f"{shlex.join(cmd[1:])}")
+        ray.get(agent.start.remote(cmd, env, args.stop_grace_s), timeout=60)
+    return infos
+
+
+def _supervise(args, agents: list, infos: list[dict], lost: set[int]) -> tuple[dict[int, str], list, bool]:
+    """Stream every node's output as `[node i] ...` until all launches ended, or a second after the first failure.
+
+    Returns (node -> why it failed, in the order seen; each node's last --error_lines lines; whether every node
+    ended). Nodes whose actor died or stopped answering for --node_timeout_s are added to `lost` as they are found."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    failed: dict[int, str] = {}
+    done: set[int] = set()
+    tails = [collections.deque(maxlen=args.error_lines) for _ in agents]
+    last_seen = [time.monotonic()] * len(agents)
+    settle_until = None  # after the first failure, a second to hear from peers that fail with it
+    while len(done) < len(agents) and (settle_until is None or time.monotonic() < settle_until):
+        live = [i for i in range(len(agents)) if i not in done]
+        refs = {agents[i].poll.remote(): i for i in live}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=args.node_timeout_s)
+        now = time.monotonic()
+        for ref in ready:
+            i = refs[ref]
+            try:
+                lines, rc = ray.get(ref)
+            except RayActorError as e:
+                done.add(i)
+                lost.add(i)
+                failed[i] = (f"node {i} ({infos[i]['ip']}) lost: its Ray actor died "
+                             f"({type(e).__name__}: {str(e).splitlines()[0]})")
+                continue
+            last_seen[i] = now
+            for line in lines:
+                print(f"[node {i}] {line}", flush=True)
+                tails[i].append(line)
+            if rc is not None:
+                done.add(i)
+                if rc != 0:
+                    failed[i] = f"node {i} ({infos[i]['ip']}) failed with exit code {rc}"
+        for i in live:
+            if i not in done and now - last_seen[i] >= args.node_timeout_s:
+                done.add(i)
+                lost.add(i)
+                failed[i] = (f"node {i} ({infos[i]['ip']}) did not answer for {args.node_timeout_s:.0f}s "
+                             "(node lost or unreachable)")
+        if failed and settle_until is None:
+            settle_until = now + 1.0
+        time.sleep(args.poll_s)
+    return failed, tails, len(done) == len(agents)
+
+
+def _report(nodes: int, failed: dict[int, str], tails: list, all_ended: bool) -> int:
+    """Say how the run ended, repeating the last lines of each failed node; the job's exit code."""
+    if not failed:
+        _say(f"all {nodes} nodes finished")
+        return 0
+    for i in failed:
+        if tails[i]:
+            _say(f"last {len(tails[i])} lines of node {i}:")
+            for line in tails[i]:
+                print(f"[node {i}] {line}", flush=True)
+    _say("error: " + "; ".join(failed.values()) + ("" if all_ended else "; stopping the other nodes"))
+    return 1
+
+
+def _cleanup(args, pg, agents: list, lost: set[int]) -> None:
+    """Stop every launch that can still be asked to, kill the actors, free the placement group, leave Ray."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    stops = [a.stop.remote(args.stop_grace_s) for i, a in enumerate(agents) if i not in lost]
+    if stops:
+        ray.wait(stops, num_returns=len(stops), timeout=args.stop_grace_s + 10)
+    for a in agents:
+        ray.kill(a)
+    if pg is not None:
+        remove_placement_group(pg)
+    ray.shutdown()
+
+
+def drive(args) -> int:
+    """Job entrypoint on the head node. Returns 0 when every node's launch exits 0, else 1."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `ray job stop`: run the finally below
+    ray.init(log_to_driver=False)
+    bundle, gpus = _bundle(args)
+    pg, agents = None, []
     lost: set[int] = set()  # nodes that cannot be asked to stop: their actor died or stopped answering
     try:
         pg = placement_group([bundle] * args.nodes, strategy="STRICT_SPREAD", name=f"verl-kit-{os.getpid()}")
-        try:
-            ray.get(pg.ready(), timeout=args.placement_timeout_s)
-        except GetTimeoutError:
-            alive = [f"{n['NodeManagerAddress']} {n['Resources']}" for n in ray.nodes() if n["Alive"]]
-            say(f"error: could not place {args.nodes} nodes x {bundle} (one bundle per node, STRICT_SPREAD) within "
-                f"{args.placement_timeout_s}s; alive nodes: {alive or 'none'}")
+        if not _placed(args, pg, bundle):
             return 1
-        Agent = ray.remote(NodeAgent)
-        for i in range(args.nodes):
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-            agents.append(Agent.options(scheduling_strategy=strategy, num_cpus=args.cpus_per_node, num_gpus=gpus,
-                                        max_concurrency=4, name=None).remote(i))
-        infos = ray.get([a.info.remote() for a in agents], timeout=args.placement_timeout_s)
-        main_ip = infos[0]["ip"]
-        port = args.main_process_port or ray.get(agents[0].free_port.remote(main_ip), timeout=60)
-        ds_standard = args.nodes > 1 and _uses_deepspeed(args.accelerate_config)
-        for i, (agent, info) in enumerate(zip(agents, infos)):
-            env = {"PYTHONUNBUFFERED": "1", "VERL_KIT_NO_BAR": os.environ.get("VERL_KIT_NO_BAR", "1")}
-            # Sockets go over the interface that carries this node's Ray address unless the user chose one; a
-            # loopback choice (fine for one-node tests) cannot reach other nodes, so it yields too.
-            chosen = []
-            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-                value = os.environ.get(var)
-                if info["ifname"] and (not value or (value == "lo" and args.nodes > 1)):
-                    env[var] = value = info["ifname"]
-                chosen.append(str(value))
-            cmd = launch_command(args, i, main_ip, port, ds_standard)
-            say(f"node {i}: {info['host']} {info['ip']} (GLOO/NCCL_SOCKET_IFNAME={'/'.join(chosen)}): "
-                f"{shlex.join(cmd[1:])}")
-            ray.get(agent.start.remote(cmd, env, args.stop_grace_s), timeout=60)
-
-        failed: dict[int, str] = {}  # node -> why, in the order seen
-        done: set[int] = set()
-        tails = [collections.deque(maxlen=args.error_lines) for _ in agents]
-        last_seen = [time.monotonic()] * len(agents)
-        settle_until = None  # after the first failure, a second to hear from peers that fail with it
-        while len(done) < len(agents) and (settle_until is None or time.monotonic() < settle_until):
-            live = [i for i in range(len(agents)) if i not in done]
-            refs = {agents[i].poll.remote(): i for i in live}
-            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=args.node_timeout_s)
-            now = time.monotonic()
-            for ref in ready:
-                i = refs[ref]
-                try:
-                    lines, rc = ray.get(ref)
-                except RayActorError as e:
-                    done.add(i)
-                    lost.add(i)
-                    failed[i] = (f"node {i} ({infos[i]['ip']}) lost: its Ray actor died "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0]})")
-                    continue
-                last_seen[i] = now
-                for line in lines:
-                    print(f"[node {i}] {line}", flush=True)
-                    tails[i].append(line)
-                if rc is not None:
-                    done.add(i)
-                    if rc != 0:
-                        failed[i] = f"node {i} ({infos[i]['ip']}) failed with exit code {rc}"
-            for i in live:
-                if i not in done and now - last_seen[i] >= args.node_timeout_s:
-                    done.add(i)
-                    lost.add(i)
-                    failed[i] = (f"node {i} ({infos[i]['ip']}) did not answer for {args.node_timeout_s:.0f}s "
-                                 "(node lost or unreachable)")
-            if failed and settle_until is None:
-                settle_until = now + 1.0
-            time.sleep(args.poll_s)
-        if not failed:
-            say(f"all {len(agents)} nodes finished")
-            return 0
-        for i in failed:
-            if tails[i]:
-                say(f"last {len(tails[i])} lines of node {i}:")
-                for line in tails[i]:
-                    print(f"[node {i}] {line}", flush=True)
-        say("error: " + "; ".join(failed.values()) + ("; stopping the other nodes" if len(done) < len(agents) else ""))
-        return 1
+        _add_agents(args, pg, gpus, agents)
+        infos = _start_nodes(args, agents)
+        failed, tails, all_ended = _supervise(args, agents, infos, lost)
+        return _report(len(agents), failed, tails, all_ended)
     finally:
-        stops = [a.stop.remote(args.stop_grace_s) for i, a in enumerate(agents) if i not in lost]
-        if stops:
-            ray.wait(stops, num_returns=len(stops), timeout=args.stop_grace_s + 10)
-        for a in agents:
-            ray.kill(a)
-        if pg is not None:
-            remove_placement_group(pg)
-        ray.shutdown()
+        _cleanup(args, pg, agents, lost)
 
 
 # ---- client side: up, run, status, logs, stop, down -------------------------------------------------------------
