@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from verl_kit.actor_critic import actor_logits, pack_responses, per_token, response_logprobs
+from verl_kit.actor_critic import ResponsePacker, actor_logits
 from verl_kit.advantages import group_advantages, kl_estimate
 from verl_kit.checkpoint import resume, save_if_due
 from verl_kit.config import OnlineConfig, parse_args
@@ -36,11 +36,11 @@ from verl_kit.distributed import (
 from verl_kit.engine import Trainable, frozen
 from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger, Timer, logger
-from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask
+from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path
 from verl_kit.packing import logprobs_from_logits
 from verl_kit.ppo_losses import entropy_from_logits, loss_weights, policy_clipped, policy_loss
-from verl_kit.rewards import Rewards, load_reward_model, reward_columns
-from verl_kit.rollout import evaluate, load_prompt_splits, make_backend, rollout_metrics, rollout_sums
+from verl_kit.rewards import Rewards, load_reward_model
+from verl_kit.rollout import evaluate, load_prompt_splits, make_backend, rollout_metrics
 
 
 @dataclass
@@ -86,8 +86,7 @@ def main():
     actor = Trainable(accelerator, load_causal_lm(model_path, attn, cfg.gradient_checkpointing), cfg,
                       cfg.learning_rate, total_steps)
     ref = frozen(accelerator, lambda: load_causal_lm(model_path, attn)) if cfg.beta > 0 else None
-    block_mask = uses_block_mask(actor.unwrapped())
-    hidden_size = actor.unwrapped().config.hidden_size  # packing.layout's pack-or-pad choice
+    packed = ResponsePacker(cfg, pad, actor.unwrapped())  # rollout rows -> packed (or padded) forward batches
     reward_model = cfg.reward_model_name_or_path and load_reward_model(
         cfg.reward_model_name_or_path, lambda load: frozen(accelerator, load), device, cfg.max_length,
         cfg.per_device_eval_batch_size)
@@ -100,15 +99,11 @@ def main():
     rollout_engine.load_weights(actor.unwrapped())  # weight sync: the rollout copy = the actor
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
-    def packed(ro, rows):
-        return pack_responses(ro.prompt_ids, ro.response_ids, ro.response_mask, rows, pad, cfg.packing,
-                              cfg.packing_length, block_mask, hidden_size)
-
     def logprobs_of(model):
-        return lambda batch, index: response_logprobs(model, batch, index, cfg.temperature)
+        return lambda batch, ix: logprobs_from_logits(actor_logits(model, batch, ix, cfg.temperature), ix.targets)
 
     def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
-        return reward.of_rollout([r["prompt"] for r in rows], ro, tokenizer, reward_columns(rows))
+        return reward.of_rollout(rows, ro, tokenizer)
 
     # ---- training loop -------------------------------------------------------------------------------------------
     for step in range(start, total_steps):
@@ -129,10 +124,10 @@ def main():
         costs = [len(p) + int(n) for p, n in zip(ro.prompt_ids, lengths)]
         with timer("ref"):
             chunks = micro_batches(cfg, list(range(B)), costs)
-            ref_logprobs = per_token(logprobs_of(ref), ro, chunks, packed, device) if ref is not None else None
-            old_logprobs = None if one_update else (ro.sampling_logprobs if cfg.old_logprobs == "rollout"
-                                                    else per_token(logprobs_of(actor.model), ro, chunks, packed,
-                                                                   device))
+            ref_logprobs = packed.per_token(logprobs_of(ref), ro, chunks, device) if ref is not None else None
+            old_logprobs = None if one_update else (
+                ro.sampling_logprobs if cfg.old_logprobs == "rollout"
+                else packed.per_token(logprobs_of(actor.model), ro, chunks, device))
 
         # 4. updates: num_iterations passes over the batch, num_mini_batches optimizer steps each
         tally, grad_norms = Tally(), []
@@ -166,11 +161,11 @@ def main():
         sync_metrics = rollout_engine.load_weights(actor.unwrapped())
 
         # ---- metrics, checkpoint -------------------------------------------------------------------------------
-        tally.add(flat_groups=scores.view(-1, cfg.num_generations).std(-1) == 0, **rollout_sums(ro, scores))
-        t = tally.reduce(max_length=lengths.max())
+        tally.add(flat_groups=scores.view(-1, cfg.num_generations).std(-1) == 0, groups=B / cfg.num_generations)
+        t = tally.reduce()
         timer.seconds["timing_s/step"] = time.time() - t_step
-        metrics = {**rollout_metrics(t, t["max_length"], timer.seconds["timing_s/step"]),
-                   "reward/frac_zero_std": t["flat_groups"] / (t["responses"] / cfg.num_generations),
+        metrics = {**rollout_metrics(ro, scores, timer.seconds["timing_s/step"]),
+                   "reward/frac_zero_std": t["flat_groups"] / t["groups"],
                    "kl": t["kl"] / t["tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    "actor/grad_norm": sum(grad_norms) / len(grad_norms), "learning_rate": actor.learning_rate,

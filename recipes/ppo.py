@@ -24,14 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from verl_kit.actor_critic import (
-    CriticModel,
-    actor_logits,
-    critic_values,
-    pack_responses,
-    per_token,
-    response_logprobs,
-)
+from verl_kit.actor_critic import CriticModel, ResponsePacker, actor_logits, critic_values
 from verl_kit.advantages import (
     AdaptiveKLController,
     FixedKLController,
@@ -56,7 +49,7 @@ from verl_kit.distributed import (
 from verl_kit.engine import Trainable, frozen
 from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger, Timer
-from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask
+from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path
 from verl_kit.packing import logprobs_from_logits
 from verl_kit.ppo_losses import (
     entropy_from_logits,
@@ -66,8 +59,8 @@ from verl_kit.ppo_losses import (
     value_clipped,
     value_loss,
 )
-from verl_kit.rewards import Rewards, load_reward_model, reward_columns
-from verl_kit.rollout import evaluate, load_prompt_splits, make_backend, rollout_metrics, rollout_sums
+from verl_kit.rewards import Rewards, load_reward_model
+from verl_kit.rollout import evaluate, load_prompt_splits, make_backend, rollout_metrics
 
 
 @dataclass
@@ -115,8 +108,7 @@ def main():
                                                                 cfg.gradient_checkpointing),
                        cfg, cfg.critic_learning_rate, total_steps)
     ref = frozen(accelerator, lambda: load_causal_lm(model_path, attn))
-    block_mask = uses_block_mask(actor.unwrapped())
-    hidden_size = actor.unwrapped().config.hidden_size  # packing.layout's pack-or-pad choice
+    packed = ResponsePacker(cfg, pad, actor.unwrapped())  # rollout rows -> packed (or padded) forward batches
     kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
               else FixedKLController(cfg.kl_coef))
     accelerator.register_for_checkpointing(kl_ctl)
@@ -133,15 +125,11 @@ def main():
     rollout_engine.load_weights(actor.unwrapped())  # weight sync: the rollout copy = the actor
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
-    def packed(ro, rows):
-        return pack_responses(ro.prompt_ids, ro.response_ids, ro.response_mask, rows, pad, cfg.packing,
-                              cfg.packing_length, block_mask, hidden_size)
-
     def logprobs_of(model):
-        return lambda batch, index: response_logprobs(model, batch, index, cfg.temperature)
+        return lambda batch, ix: logprobs_from_logits(actor_logits(model, batch, ix, cfg.temperature), ix.targets)
 
     def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
-        return reward.of_rollout([r["prompt"] for r in rows], ro, tokenizer, reward_columns(rows))
+        return reward.of_rollout(rows, ro, tokenizer)
 
     # ---- training loop -------------------------------------------------------------------------------------------
     for step in range(start, total_steps):
@@ -162,10 +150,11 @@ def main():
         chunks = micro_batches(cfg, list(range(B)), costs)
         with timer("ref"):
             old_logprobs = (ro.sampling_logprobs if cfg.old_logprobs == "rollout"
-                            else per_token(logprobs_of(actor.model), ro, chunks, packed, device))
-            ref_logprobs = per_token(logprobs_of(ref), ro, chunks, packed, device)
+                            else packed.per_token(logprobs_of(actor.model), ro, chunks, device))
+            ref_logprobs = packed.per_token(logprobs_of(ref), ro, chunks, device)
         with timer("values"):
-            old_values = per_token(lambda b, ix: critic_values(critic.model, b, ix), ro, chunks, packed, device)
+            old_values = packed.per_token(lambda b, ix: critic_values(critic.model, b, ix), ro, chunks,
+                                          device)
 
         # 4. advantages: KL penalty folded into per-token rewards, GAE, whitening over the global batch
         with timer("adv"):
@@ -213,9 +202,9 @@ def main():
         sync_metrics = rollout_engine.load_weights(actor.unwrapped())
 
         # ---- metrics, KL controller, checkpoint ----------------------------------------------------------------
-        tally.add(kl=kl, **rollout_sums(ro, scores), **masked_moments(returns - old_values, mask, "resid_"),
+        tally.add(kl=kl, responses=B, **masked_moments(returns - old_values, mask, "resid_"),
                   **masked_moments(returns, mask, "ret_"))
-        t = tally.reduce(max_length=lengths.max())
+        t = tally.reduce()
         kl_mean = t["kl"] / t["responses"]
         kl_coef = kl_ctl.value
         kl_ctl.update(kl_mean, int(t["responses"]))
@@ -226,7 +215,7 @@ def main():
                    "critic/vf_loss": t["vf_loss"] / t["tokens"], "critic/vf_clipfrac": t["vf_clipfrac"] / t["tokens"],
                    "critic/explained_var": 1.0 - masked_variance(t, "resid_") / max(masked_variance(t, "ret_"), 1e-8),
                    "critic/grad_norm": sum(grad_norms["critic"]) / len(grad_norms["critic"]),
-                   **rollout_metrics(t, t["max_length"], timer.seconds["timing_s/step"]),
+                   **rollout_metrics(ro, scores, timer.seconds["timing_s/step"]),
                    "learning_rate": actor.learning_rate, **timer.seconds, **sync_metrics}
         log.advance(reward=metrics["reward/mean"])
         do_eval = test.ids and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from verl_kit.packing import TokenBatch, layout, logprobs_from_logits
+from verl_kit.models import uses_block_mask
+from verl_kit.packing import TokenBatch, layout
 
 
 class CriticModel(nn.Module):
@@ -112,18 +113,26 @@ def critic_values(critic, batch: TokenBatch, index: ResponseIndex) -> torch.Tens
     return values[:, :-1][index.scored]
 
 
-def response_logprobs(model, batch: TokenBatch, index: ResponseIndex, temperature: float) -> torch.Tensor:
-    """Log-probs (M,) of the response tokens under the sampling distribution at `temperature`."""
-    return logprobs_from_logits(actor_logits(model, batch, index, temperature), index.targets)
+class ResponsePacker:
+    """Packs rollout rows for the forward passes of actor, critic and reference, the layout fitted to the policy
+    (block mask unless flash-attention; pack or pad by cost, packing.layout) and the packing flags of a TrainConfig."""
 
+    def __init__(self, cfg, pad_id: int, model):
+        self.cfg, self.pad_id = cfg, pad_id
+        self.block_mask = uses_block_mask(model)
+        self.hidden_size = model.config.hidden_size
 
-@torch.no_grad()
-def per_token(fn: Callable[[TokenBatch, ResponseIndex], torch.Tensor], rollout, chunks: list[list[int]], pack,
-              device) -> torch.Tensor:
-    """(B, R) float32 on CPU of `fn(batch, index) -> (M,)` over every rollout row, micro-batch by micro-batch
-    (`chunks` of row indices, `pack(rollout, rows) -> (TokenBatch, ResponseIndex)`); 0 outside the responses."""
-    out = torch.zeros(rollout.response_ids.shape, dtype=torch.float32)
-    for rows in chunks:
-        batch, index = pack(rollout, rows)
-        out[index.row, index.pos] = fn(batch.to(device), index).float().cpu()
-    return out
+    def __call__(self, rollout, rows: list[int]) -> tuple[TokenBatch, ResponseIndex]:
+        return pack_responses(rollout.prompt_ids, rollout.response_ids, rollout.response_mask, rows, self.pad_id,
+                              self.cfg.packing, self.cfg.packing_length, self.block_mask, self.hidden_size)
+
+    @torch.no_grad()
+    def per_token(self, fn: Callable[[TokenBatch, ResponseIndex], torch.Tensor], rollout, chunks: list[list[int]],
+                  device) -> torch.Tensor:
+        """(B, R) float32 on CPU of `fn(batch, index) -> (M,)` over every rollout row, micro-batch by micro-batch
+        (`chunks` of row indices); 0 outside the responses."""
+        out = torch.zeros(rollout.response_ids.shape, dtype=torch.float32)
+        for rows in chunks:
+            batch, index = self(rollout, rows)
+            out[index.row, index.pos] = fn(batch.to(device), index).float().cpu()
+        return out

@@ -77,7 +77,8 @@ def reduce_metrics(sums: dict[str, float], maxes: dict[str, float] | None = None
         names = sorted(values)
         if not names:
             continue
-        t = torch.tensor([float(values[k]) for k in names], dtype=torch.float64)
+        t = torch.tensor([float(values[k].sum()) if isinstance(values[k], torch.Tensor) else float(values[k])
+                          for k in names], dtype=torch.float64)
         if distributed:
             t = t.to(_collective_device())
             torch.distributed.all_reduce(t, op=op)

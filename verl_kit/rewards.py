@@ -292,13 +292,14 @@ class Rewards:
         sources += [self.reward_model.score(prompts, completions)] if self.reward_model else []
         return truncation_penalty(weighted_sum(sources, self.weights), truncated, self.missing_eos_penalty)
 
-    def of_rollout(self, prompts: list, rollout, tokenizer, columns: dict[str, list] | None = None) -> torch.Tensor:
+    def of_rollout(self, rows: list[dict], rollout, tokenizer) -> torch.Tensor:
         """Scores (B,) of a rollout.Rollout's responses, decoded with the policy's `tokenizer` (special tokens
-        dropped); `prompts` are the dataset's prompt fields and `columns` its other columns, one per response.
-        The reward functions may also take `completion_ids` (the responses' token ids, lists of ints)."""
+        dropped). `rows`: the dataset row of each response (its `prompt` field, and the other columns the reward
+        functions may read). The reward functions may also take `completion_ids` (the responses' token ids)."""
         ids = [r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)]
         completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        return self(prompts, completions, rollout.truncated, columns, completion_ids=[x.tolist() for x in ids])
+        return self([r["prompt"] for r in rows], completions, rollout.truncated, reward_columns(rows),
+                    completion_ids=[x.tolist() for x in ids])
 
 
 class RewardModel:

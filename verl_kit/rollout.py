@@ -72,20 +72,19 @@ def load_prompt_splits(cfg, tokenizer) -> tuple[Prompts, Prompts]:
     return splits[0], splits[1]
 
 
-def rollout_sums(ro: Rollout, scores: torch.Tensor) -> dict:
-    """This process's sums for the rollout metrics of a step (reduce them over processes, then rollout_metrics)."""
-    return {"responses": len(scores), "score": scores.sum(), "score_sq": (scores ** 2).sum(),
-            "response_tokens": ro.response_mask.sum(), "truncated": ro.truncated.sum(),
-            "prompt_tokens": sum(len(p) for p in ro.prompt_ids)}
+def rollout_metrics(ro: Rollout, scores: torch.Tensor, step_seconds: float) -> dict:
+    """reward/*, response_length/* and perf/tokens_per_s of a step's rollouts on all processes (collective)."""
+    from verl_kit.distributed import reduce_metrics
 
-
-def rollout_metrics(t: dict, max_length: float, step_seconds: float) -> dict:
-    """reward/*, response_length/* and perf/tokens_per_s from rollout_sums reduced over all processes."""
-    n, mean = t["responses"], t["score"] / t["responses"]
+    lengths = ro.response_mask.sum(-1)
+    t = reduce_metrics({"n": len(scores), "score": scores.sum(), "score_sq": (scores ** 2).sum(),
+                        "tokens": lengths.sum(), "truncated": ro.truncated.sum(),
+                        "prompt_tokens": sum(len(p) for p in ro.prompt_ids)}, {"max_length": lengths.max()})
+    n, mean = t["n"], t["score"] / t["n"]
     return {"reward/mean": mean, "reward/std": max(t["score_sq"] / n - mean ** 2, 0.0) ** 0.5,
-            "response_length/mean": t["response_tokens"] / n, "response_length/max": max_length,
+            "response_length/mean": t["tokens"] / n, "response_length/max": t["max_length"],
             "response_length/clip_ratio": t["truncated"] / n,
-            "perf/tokens_per_s": (t["response_tokens"] + t["prompt_tokens"]) / step_seconds}
+            "perf/tokens_per_s": (t["tokens"] + t["prompt_tokens"]) / step_seconds}
 
 
 def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[list[int]]:
