@@ -69,7 +69,7 @@ $(VENV)/side/trl-1.12/.installed: $(VENV)/.installed
 clean:
 	rm -rf outputs bench/results .pytest_cache
 
-# ---- Ray cluster runs (issue 6; walk-through in docs/cluster.md) --------------------------------------------------
+# ---- Ray cluster runs (walk-through in README.md, "Multi-node runs on Ray") ----------------------------------------
 #   make cluster-up                                        local head: node and dashboard on 127.0.0.1:8265
 #   make cluster-up NODE_IP=10.0.0.1 DASHBOARD_HOST=0.0.0.0   head of a real cluster (then on every other node:)
 #   make cluster-up HEAD=10.0.0.1:6379 NODE_IP=10.0.0.2       join it

@@ -39,7 +39,7 @@ from verl_kit.metrics import MetricsLogger, Timer, logger
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path
 from verl_kit.packing import logprobs_from_logits
 from verl_kit.ppo_losses import entropy_from_logits, loss_weights, policy_clipped, policy_loss
-from verl_kit.rewards import Rewards, load_reward_model
+from verl_kit.rewards import make_rewards
 from verl_kit.rollout import evaluate, load_prompt_splits, make_backend, rollout_metrics
 
 
@@ -87,10 +87,7 @@ def main():
                       cfg.learning_rate, total_steps)
     ref = frozen(accelerator, lambda: load_causal_lm(model_path, attn)) if cfg.beta > 0 else None
     packed = ResponsePacker(cfg, pad, actor.unwrapped())  # rollout rows -> packed (or padded) forward batches
-    reward_model = cfg.reward_model_name_or_path and load_reward_model(
-        cfg.reward_model_name_or_path, lambda load: frozen(accelerator, load), device, cfg.max_length,
-        cfg.per_device_eval_batch_size)
-    reward = Rewards(cfg.reward_fn, reward_model or None, cfg.reward_weights, cfg.missing_eos_penalty)
+    reward = make_rewards(cfg, accelerator)  # reward functions and/or a frozen reward model, weighted
     rollout_engine = make_backend(cfg, accelerator, actor.unwrapped(), model_path, tokenizer,
                                   train.ids[:cfg.vllm_probe_size])  # HF generate, vLLM engine or vLLM server
     sampling = cfg.sampling()
@@ -98,9 +95,6 @@ def main():
     start = resume(accelerator, cfg)
     rollout_engine.load_weights(actor.unwrapped())  # weight sync: the rollout copy = the actor
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
-
-    def logprobs_of(model):
-        return lambda batch, ix: logprobs_from_logits(actor_logits(model, batch, ix, cfg.temperature), ix.targets)
 
     def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
         return reward.of_rollout(rows, ro, tokenizer)
@@ -124,10 +118,10 @@ def main():
         costs = [len(p) + int(n) for p, n in zip(ro.prompt_ids, lengths)]
         with timer("ref"):
             chunks = micro_batches(cfg, list(range(B)), costs)
-            ref_logprobs = packed.per_token(logprobs_of(ref), ro, chunks, device) if ref is not None else None
+            ref_logprobs = packed.logprobs(ref, ro, chunks, device) if ref is not None else None
             old_logprobs = None if one_update else (
                 ro.sampling_logprobs if cfg.old_logprobs == "rollout"
-                else packed.per_token(logprobs_of(actor.model), ro, chunks, device))
+                else packed.logprobs(actor.model, ro, chunks, device))
 
         # 4. updates: num_iterations passes over the batch, num_mini_batches optimizer steps each
         tally, grad_norms = Tally(), []

@@ -59,7 +59,7 @@ from verl_kit.ppo_losses import (
     value_clipped,
     value_loss,
 )
-from verl_kit.rewards import Rewards, load_reward_model
+from verl_kit.rewards import make_rewards
 from verl_kit.rollout import evaluate, load_prompt_splits, make_backend, rollout_metrics
 
 
@@ -113,10 +113,7 @@ def main():
               else FixedKLController(cfg.kl_coef))
     accelerator.register_for_checkpointing(kl_ctl)
 
-    reward_model = cfg.reward_model_name_or_path and load_reward_model(
-        cfg.reward_model_name_or_path, lambda load: frozen(accelerator, load), device, cfg.max_length,
-        cfg.per_device_eval_batch_size)
-    reward = Rewards(cfg.reward_fn, reward_model or None, cfg.reward_weights, cfg.missing_eos_penalty)
+    reward = make_rewards(cfg, accelerator)  # reward functions and/or a frozen reward model, weighted
     rollout_engine = make_backend(cfg, accelerator, actor.unwrapped(), model_path, tokenizer,
                                   train.ids[:cfg.vllm_probe_size])  # HF generate, vLLM engine or vLLM server
     sampling = cfg.sampling()
@@ -124,9 +121,6 @@ def main():
     start = resume(accelerator, cfg)
     rollout_engine.load_weights(actor.unwrapped())  # weight sync: the rollout copy = the actor
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
-
-    def logprobs_of(model):
-        return lambda batch, ix: logprobs_from_logits(actor_logits(model, batch, ix, cfg.temperature), ix.targets)
 
     def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
         return reward.of_rollout(rows, ro, tokenizer)
@@ -150,8 +144,8 @@ def main():
         chunks = micro_batches(cfg, list(range(B)), costs)
         with timer("ref"):
             old_logprobs = (ro.sampling_logprobs if cfg.old_logprobs == "rollout"
-                            else packed.per_token(logprobs_of(actor.model), ro, chunks, device))
-            ref_logprobs = packed.per_token(logprobs_of(ref), ro, chunks, device)
+                            else packed.logprobs(actor.model, ro, chunks, device))
+            ref_logprobs = packed.logprobs(ref, ro, chunks, device)
         with timer("values"):
             old_values = packed.per_token(lambda b, ix: critic_values(critic.model, b, ix), ro, chunks,
                                           device)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from verl_kit.models import uses_block_mask
-from verl_kit.packing import TokenBatch, layout
+from verl_kit.packing import TokenBatch, layout, logprobs_from_logits
 
 
 class CriticModel(nn.Module):
@@ -125,6 +125,12 @@ class ResponsePacker:
     def __call__(self, rollout, rows: list[int]) -> tuple[TokenBatch, ResponseIndex]:
         return pack_responses(rollout.prompt_ids, rollout.response_ids, rollout.response_mask, rows, self.pad_id,
                               self.cfg.packing, self.cfg.packing_length, self.block_mask, self.hidden_size)
+
+    def logprobs(self, model, rollout, chunks: list[list[int]], device) -> torch.Tensor:
+        """(B, R) log-probs of every response token under `model` at the sampling temperature (`cfg.temperature`)."""
+        return self.per_token(lambda batch, ix: logprobs_from_logits(actor_logits(model, batch, ix,
+                                                                                  self.cfg.temperature), ix.targets),
+                              rollout, chunks, device)
 
     @torch.no_grad()
     def per_token(self, fn: Callable[[TokenBatch, ResponseIndex], torch.Tensor], rollout, chunks: list[list[int]],

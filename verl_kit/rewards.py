@@ -341,6 +341,18 @@ class RewardModel:
         return out
 
 
+def make_rewards(cfg, accelerator) -> Rewards:
+    """The run's Rewards from the OnlineConfig flags: `--reward_fn`, `--reward_model_name_or_path` (placed frozen:
+    a ZeRO-3 inference engine under ZeRO-3), `--reward_weights`, `--missing_eos_penalty`."""
+    from verl_kit.engine import frozen
+
+    reward_model = None
+    if cfg.reward_model_name_or_path:
+        reward_model = load_reward_model(cfg.reward_model_name_or_path, lambda load: frozen(accelerator, load),
+                                         accelerator.device, cfg.max_length, cfg.per_device_eval_batch_size)
+    return Rewards(cfg.reward_fn, reward_model, cfg.reward_weights, cfg.missing_eos_penalty)
+
+
 def load_reward_model(path: str, load_frozen, device, max_length: int, batch_size: int) -> RewardModel:
     """A RewardModel from a local directory or hub id; `load_frozen(loader)` places it (engine.frozen)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
