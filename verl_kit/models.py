@@ -13,6 +13,7 @@ import shutil
 import torch
 
 from verl_kit.errors import UserError
+from verl_kit.real_model import SMOLLM2_DIR_NAME, SMOLLM2_NAME, check_gguf, smollm2_gguf_path
 from verl_kit.tiny import TINY_MODEL_NAME
 
 logger = logging.getLogger(__name__)
@@ -23,13 +24,21 @@ def cache_dir() -> str:
 
 
 def resolve_model_path(name: str) -> str:
-    """'tiny-llama' -> the embedded model, built offline into the cache on first use; otherwise `name` unchanged
+    """'tiny-llama' -> the embedded model, built offline into the cache on first use; 'smollm2-135m' -> SmolLM2-135M-
+    Instruct, converted into the cache on first use from the GGUF `make install` fetched; otherwise `name` unchanged
     after checking that a local path exists or the name can be found by transformers."""
     if name == TINY_MODEL_NAME:
         path = os.path.join(cache_dir(), "tiny-llama-v1")
         if not os.path.isfile(os.path.join(path, "model.safetensors")):
             logger.info("building the embedded tiny model in %s", path)
             _build_outside_distributed(path)
+        return path
+    if name == SMOLLM2_NAME:
+        path = os.path.join(cache_dir(), SMOLLM2_DIR_NAME)
+        if not os.path.isfile(os.path.join(path, "model.safetensors")):
+            check_gguf()
+            logger.info("converting %s into %s", smollm2_gguf_path(), path)
+            _build_outside_distributed(path, ["verl_kit.real_model", path])
         return path
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
@@ -47,17 +56,19 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def _build_outside_distributed(path: str) -> None:
-    """Build the tiny model in a child process that knows nothing of the launch: inside a distributed run
-    transformers' save_pretrained writes weights on rank 0 only, so a rank-1 build would be incomplete. Concurrent
-    builds are safe (each writes a temporary directory; the first rename wins)."""
+def _build_outside_distributed(path: str, module_args: list[str] | None = None) -> None:
+    """Build a model (`python -m verl_kit.tiny model PATH`, or `python -m *module_args`) in a child process that knows
+    nothing of the launch: inside a distributed run transformers' save_pretrained writes weights on rank 0 only, so a
+    rank-1 build would be incomplete. Concurrent builds are safe (each writes a temporary directory; the first rename
+    wins)."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith("ACCELERATE_")}
-    subprocess.run([sys.executable, "-m", "verl_kit.tiny", "model", path], env=env, check=True,
+    module_args = module_args or ["verl_kit.tiny", "model", path]
+    subprocess.run([sys.executable, "-m", *module_args], env=env, check=True,
                    stdout=subprocess.DEVNULL, timeout=600)
 
 
