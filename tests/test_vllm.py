@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, env
+from helpers import REPO, env, isolated, run
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,6 @@ from test_vllm import encode, load_hf, train_step, hf_greedy, rows, hf_sampling_
 from verl_kit.models import load_tokenizer, resolve_model_path
 from verl_kit.rollout import SamplingParams
 from verl_kit.vllm_rollout import VLLMColocated
-from verl_kit.weight_sync import check_probe, max_abs_diff, trainer_logprobs
 
 if __name__ == "__main__":
     path = resolve_model_path("tiny-llama")
@@ -100,6 +99,7 @@ if __name__ == "__main__":
     engine = VLLMColocated(path, tok, dtype="float32", max_num_seqs=64, max_model_len=512, kv_cache_gib=1,
                            bucket_mb=0.05, probe_prompts=prompts, probe_threshold=1e-3)
     out["start_s"] = time.time() - t0
+    engine.load_weights(model)  # as the recipes do before the first rollout: the probe's baseline
     sp = SamplingParams(temperature=0.7, max_new_tokens=6, n=3)
     sp.seed = 1234
     ro = engine.generate(prompts, sp)
@@ -116,16 +116,19 @@ if __name__ == "__main__":
     out["metrics"] = metrics
     out["greedy_after"] = rows(engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))) \
         == hf_greedy(model, tok, prompts)
+    out["version"] = metrics["weight_sync/version"]
+    out["moved"] = [metrics["rollout/probe_trainer_moved"], metrics["rollout/probe_engine_moved"]]
     with torch.no_grad():  # the trainer moves on without a sync: the probe must catch it
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    stale = max_abs_diff(engine.score(prompts), trainer_logprobs(model, prompts))
-    out["stale_diff"] = stale
-    try:
-        check_probe(stale, 1e-3)
-        out["stale_raises"] = False
-    except RuntimeError as e:
-        out["stale_raises"] = "logprob_max_abs_diff" in str(e)
+    out["errors"] = []
+    for threshold in (1e-3, 0.5):  # the fp32 bound; the bf16 default, where only "nothing moved" can tell
+        engine.probe.threshold = threshold
+        try:
+            engine.probe.check(engine.score, model, True)
+            out["errors"].append("")
+        except RuntimeError as e:
+            out["errors"].append(str(e))
     engine.close()
     print("RESULT " + json.dumps(out), flush=True)
 '''
@@ -152,7 +155,9 @@ def test_colocated_generate_sync_probe(tmp_path):
     assert m["rollout/logprob_max_abs_diff"] < 1e-3
     assert m["weight_sync/buckets"] > 3  # 0.05 MiB buckets: never the whole model at once
     assert m["weight_sync/bytes"] > 0
-    assert out["stale_diff"] > 1e-2 and out["stale_raises"]
+    assert out["version"] == 2
+    assert out["moved"][0] > 1e-2 and abs(out["moved"][0] - out["moved"][1]) < 1e-3  # the engine followed the update
+    assert "had no effect" in out["errors"][0] and "had no effect" in out["errors"][1], out["errors"]
 
 
 # ---- one server for the rest of the module -----------------------------------------------------------------------
@@ -327,3 +332,47 @@ def test_server_started_by_a_run_dies_with_it(tmp_path):
     while members() and time.time() < deadline:
         time.sleep(0.5)
     assert not members(), f"left behind: {members()}"
+
+
+API_KEY_DRIVER = r'''
+import json, sys
+import requests, torch
+from verl_kit.models import load_causal_lm, load_tokenizer
+from verl_kit.vllm_rollout import VLLMServer
+from verl_kit.vllm_server import ServerProcess
+
+path = sys.argv[1]
+tok = load_tokenizer(path)
+out = {}
+with ServerProcess(path, host="0.0.0.0", dtype="float32", max_num_seqs=16, max_model_len=256,
+                   startup_timeout_s=400) as server:
+    out["rpc_without_key"] = requests.post(server.url + "/collective_rpc", json={"method": "verl_kit_commit"},
+                                           timeout=30).status_code
+    out["v1_without_key"] = requests.get(server.url + "/v1/models", timeout=30).status_code
+    model = load_causal_lm(path)
+    client = VLLMServer(server.url, tok, probe_prompts=[tok("Tell me about the sea.")["input_ids"]], dtype="float32")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    out["metrics"] = client.load_weights(model)
+print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def test_server_beyond_loopback_needs_an_api_key(tmp_path, tiny_model_path, monkeypatch):
+    """A kit server on a non-loopback host: refused without VLLM_API_KEY; with it, the weight-sync endpoint (which
+    vLLM's own --api-key leaves open) and /v1 answer 401 without the key, and the kit's client, which sends it, syncs.
+    Run in a private network namespace, so 0.0.0.0 there is loopback only."""
+    from verl_kit.errors import UserError
+    from verl_kit.vllm_server import serve_command
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(UserError, match="VLLM_API_KEY"):
+        serve_command(tiny_model_path, 8000, host="0.0.0.0")
+    script = tmp_path / "driver.py"
+    script.write_text(API_KEY_DRIVER)
+    p = run(isolated([sys.executable, str(script), tiny_model_path]), timeout=480, VLLM_API_KEY="s3cret",
+            VLLM_HOST_IP="127.0.0.1")
+    out = json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    assert out["rpc_without_key"] == 401 and out["v1_without_key"] == 401, out
+    assert out["metrics"]["rollout/logprob_max_abs_diff"] < 1e-3, out

@@ -96,8 +96,9 @@ class RolloutConfig:
     vllm_sync_timeout_s: float = field(default=600, metadata={"help": "weight sync: seconds before it fails"})
     vllm_probe_size: int = field(default=4, metadata={
         "help": "prompts scored by engine and trainer after each sync (0: no probe)"})
-    vllm_probe_threshold: float = field(default=1.0, metadata={
-        "help": "stop when the probe's max |logprob difference| exceeds this"})
+    vllm_probe_threshold: float | None = field(default=None, metadata={
+        "help": "stop when the probe's max |logprob difference| exceeds this; default from the dtype: 1e-3 for an "
+                "fp32 engine, 0.5 for bf16"})
 
 
 @dataclass

@@ -245,6 +245,6 @@ def make_backend(cfg, accelerator, actor, model_path: str, tokenizer, probe_prom
         if world > 1:
             torch.distributed.broadcast_object_list(box, src=0)
         url = box[0]
-    client = VLLMServer(url, tokenizer, pushes=rank == 0, **common)
+    client = VLLMServer(url, tokenizer, pushes=rank == 0, dtype=vllm_dtype, **common)
     client.server = server
     return client

@@ -27,14 +27,8 @@ import torch
 
 from verl_kit.errors import UserError
 from verl_kit.rollout import Rollout, SamplingParams
-from verl_kit.weight_sync import (
-    WORKER_EXTENSION,
-    all_reduce_max,
-    check_probe,
-    max_abs_diff,
-    sync_weights,
-    trainer_logprobs,
-)
+from verl_kit.vllm_server import auth_headers
+from verl_kit.weight_sync import WORKER_EXTENSION, max_abs_diff, sync_weights, trainer_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +72,56 @@ def to_rollout(prompts_n: list[list[int]], completions: list[tuple[list[int], li
     return Rollout(prompts_n, response, mask, logprobs, truncated)
 
 
+def default_probe_threshold(dtype: str) -> float:
+    """The probe's bound when --vllm_probe_threshold is not given, from the engine dtype (the trainer is fp32). An
+    fp32 engine scores like the fp32 trainer to ~1e-5 (measured on CPU: tiny model and SmolLM2-135M, tied or not;
+    a stale output layer gave 0.07-0.13); a bf16 engine differs by up to a few tenths on unlikely tokens."""
+    return 1e-3 if dtype == "float32" else 0.5
+
+
+class Probe:
+    """After each weight sync: engine and trainer score the same fixed sequences (prompt log-probs, temperature 1).
+    Fails the run when they disagree by more than `threshold` (the engine does not run the trained policy), or
+    when the trainer's log-probs moved since the last sync and the engine's did not follow (nothing was synced;
+    a loose bf16 threshold alone would let a stale engine through small updates)."""
+
+    def __init__(self, prompts: list[list[int]], threshold: float):
+        self.prompts, self.threshold = prompts, threshold
+        self.last: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (engine, trainer) log-probs
+
+    def check(self, engine_score, actor, scores_here: bool) -> dict:
+        """Collective (trainer forward under ZeRO-3). `engine_score(seqs)` -> engine log-probs, called only where
+        `scores_here` (the process that talks to the engine); every process takes the same decision."""
+        from verl_kit.distributed import reduce_metrics
+
+        trainer = trainer_logprobs(actor, self.prompts, next(actor.parameters()).device)
+        engine = engine_score(self.prompts) if scores_here else trainer
+        diff, trainer_moved, engine_moved = max_abs_diff(engine, trainer), 0.0, 0.0
+        if self.last is not None:
+            engine_moved, trainer_moved = max_abs_diff(engine, self.last[0]), max_abs_diff(trainer, self.last[1])
+        # An engine at lower precision may legitimately not move under an update smaller than its threshold.
+        stale = trainer_moved > max(self.threshold, 1e-3) and engine_moved < 0.5 * trainer_moved
+        m = reduce_metrics({}, {"diff": diff, "stale": float(stale)})
+        if m["stale"]:
+            raise RuntimeError(f"weight sync had no effect: the trainer's probe log-probs moved by "
+                               f"{trainer_moved:.4g} since the last sync, the engine's by {engine_moved:.4g}")
+        if m["diff"] > self.threshold:
+            raise RuntimeError(f"rollout/logprob_max_abs_diff {m['diff']:.4g} > {self.threshold:.3g} "
+                               "(--vllm_probe_threshold): the vLLM engine does not score like the trained policy; the "
+                               "weight sync failed or the engine runs another dtype/model. Stopping rather than "
+                               "training on off-policy samples.")
+        self.last = engine, trainer
+        return {"rollout/logprob_max_abs_diff": m["diff"], "rollout/probe_trainer_moved": trainer_moved,
+                "rollout/probe_engine_moved": engine_moved}
+
+
 class _Checked:
     """Shared by both backends: weight sync into the engine, then the probe."""
 
-    probe_prompts: list[list[int]]
-    probe_threshold: float
+    probe: Probe | None
     bucket_mb: float
     sync_timeout_s: float
+    version: int = 0
 
     def _push(self, blob: str, seconds: float) -> None:
         raise NotImplementedError
@@ -101,16 +138,14 @@ class _Checked:
 
     def load_weights(self, actor) -> dict:
         """Weight sync + probe. Collective: every training process calls it at the same point, after each update.
-        Returns weight_sync/* metrics and rollout/logprob_max_abs_diff; raises RuntimeError above the threshold."""
+        Returns weight_sync/* metrics (weight_sync/version counts the syncs: the policy version the next rollouts
+        come from) and the probe's rollout/* metrics; raises RuntimeError when the probe fails."""
         metrics = sync_weights(actor, self._push if self.pushes else None, self._commit if self.pushes else None,
                                self.bucket_mb, self.sync_timeout_s)
-        if self.probe_prompts:
-            device = next(actor.parameters()).device
-            trainer = trainer_logprobs(actor, self.probe_prompts, device)
-            diff = max_abs_diff(self.score(self.probe_prompts), trainer) if self.pushes else 0.0
-            diff = all_reduce_max(diff)
-            metrics["rollout/logprob_max_abs_diff"] = diff
-            check_probe(diff, self.probe_threshold)
+        self.version += 1
+        metrics["weight_sync/version"] = self.version
+        if self.probe is not None:
+            metrics.update(self.probe.check(self.score, actor, self.pushes))
         return metrics
 
 
@@ -123,7 +158,7 @@ class VLLMColocated(_Checked):
                  max_num_seqs: int = 256, max_model_len: int | None = None, gpu_memory_utilization: float = 0.3,
                  enable_sleep_mode: bool = False, kv_cache_gib: int = 1, seed: int = 0, bucket_mb: float = 256,
                  sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
-                 probe_threshold: float = 1.0, enforce_eager: bool | None = None):
+                 probe_threshold: float | None = None, enforce_eager: bool | None = None):
         import vllm
 
         gpu = _on_gpu()
@@ -147,7 +182,7 @@ class VLLMColocated(_Checked):
                             else enforce_eager, **kwargs)
         self.tokenizer = tokenizer
         self.bucket_mb, self.sync_timeout_s = bucket_mb, sync_timeout_s
-        self.probe_prompts, self.probe_threshold = probe_prompts or [], probe_threshold
+        self.probe = Probe(probe_prompts, probe_threshold or default_probe_threshold(dtype)) if probe_prompts else None
 
     def _push(self, blob: str, seconds: float) -> None:
         self.llm.collective_rpc("verl_kit_stage", timeout=seconds, args=(blob,))
@@ -206,13 +241,13 @@ class VLLMServer(_Checked):
     def __init__(self, base_url: str, tokenizer, *, model: str | None = None, connect_timeout_s: float = 10,
                  request_timeout_s: float = 600, max_retries: int = 4, backoff_s: float = 0.5,
                  bucket_mb: float = 64, sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
-                 probe_threshold: float = 1.0, pushes: bool = True):
+                 probe_threshold: float | None = None, dtype: str = "auto", pushes: bool = True):
         self.url = base_url.rstrip("/")
         self.tokenizer = tokenizer
         self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.bucket_mb, self.sync_timeout_s = bucket_mb, sync_timeout_s
-        self.probe_prompts, self.probe_threshold = probe_prompts or [], probe_threshold
+        self.probe = Probe(probe_prompts, probe_threshold or default_probe_threshold(dtype)) if probe_prompts else None
         self._pushes = pushes
         try:
             models = self._request("GET", "/v1/models", None, connect_timeout_s, retries=1)
@@ -236,7 +271,7 @@ class VLLMServer(_Checked):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
-                r = requests.request(method, self.url + path, json=payload,
+                r = requests.request(method, self.url + path, json=payload, headers=auth_headers(),
                                      timeout=(min(self.connect_timeout_s, timeout), timeout))
                 if r.status_code in (429, 500, 502, 503, 504):
                     raise _Transient(f"HTTP {r.status_code}: {r.text[:300]}")

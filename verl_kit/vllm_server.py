@@ -2,6 +2,12 @@
 process lifecycle. The client side is verl_kit.vllm_rollout.VLLMServer.
 
     python -m verl_kit.vllm_server serve --model tiny-llama --port 8000     # what `make vllm-serve` runs
+    VLLM_API_KEY=... python -m verl_kit.vllm_server serve --model PATH --host 0.0.0.0
+
+The weight sync needs vLLM's dev endpoints (/collective_rpc, /reset_prefix_cache), which can replace the model's
+weights, and vLLM's own --api-key guards only /v1/* and a few other prefixes. So the server binds 127.0.0.1 by default,
+refuses any other host unless VLLM_API_KEY is set, and with a key set it is started through `api-server` below, which
+extends vLLM's authentication middleware to every path (health included); the kit's client sends the key.
 """
 
 from __future__ import annotations
@@ -28,16 +34,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(model_path: str, port: int, *, dtype: str = "auto", max_num_seqs: int = 256,
-                  max_model_len: int | None = None, extra: list[str] = ()) -> list[str]:
-    """The vLLM OpenAI server command for weight-synced rollouts, bound to 127.0.0.1 unless `extra` says --host."""
-    host = [] if "--host" in extra else ["--host", "127.0.0.1"]
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, *host,
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def api_key() -> str | None:
+    """The key a server started by the kit requires and the kit's client sends (VLLM_API_KEY, as vLLM reads it)."""
+    return os.environ.get("VLLM_API_KEY") or None
+
+
+def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype: str = "auto",
+                  max_num_seqs: int = 256, max_model_len: int | None = None, extra: list[str] = ()) -> list[str]:
+    """The vLLM OpenAI server command for weight-synced rollouts. A host other than loopback needs VLLM_API_KEY."""
+    if host not in LOOPBACK and not api_key():
+        raise UserError(f"--host {host}: the server's weight-sync endpoints would accept weights from the network; "
+                        "set VLLM_API_KEY (the kit's client sends it) or bind 127.0.0.1")
+    return [sys.executable, "-m", "verl_kit.vllm_server", "api-server", "--model", model_path, "--host", host,
             "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
             *(["--max-model-len", str(max_model_len)] if max_model_len else []),
             "--worker-extension-cls", WORKER_EXTENSION,
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
             *([] if torch.cuda.is_available() else ["--enforce-eager"]), *extra]
+
+
+def auth_headers() -> dict:
+    key = api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _api_server(argv: list[str]) -> None:
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server ARGV`), with the API key, when set,
+    required on every path: vLLM's middleware reads its GUARDED_PREFIX at each request."""
+    import runpy
+
+    if api_key():
+        from vllm.entrypoints.serve.middleware import authenticate
+
+        authenticate.GUARDED_PREFIX = ("/",)
+    sys.argv = ["vllm.entrypoints.openai.api_server", *argv]
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
 
 def serve_env(kv_cache_gib: int = 1) -> dict:
@@ -62,15 +96,15 @@ class ServerProcess:
     The server is stopped by stop() (atexit in rollout.make_backend), or by the kernel when the starting process
     dies."""
 
-    def __init__(self, model_path: str, *, port: int | None = None, startup_timeout_s: float = 600,
-                 log_path: str | None = None, kv_cache_gib: int = 1, **serve_kwargs):
+    def __init__(self, model_path: str, *, host: str = "127.0.0.1", port: int | None = None,
+                 startup_timeout_s: float = 600, log_path: str | None = None, kv_cache_gib: int = 1, **serve_kwargs):
         import requests
 
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
         self.log_path = log_path or os.path.join("/tmp", f"verl_kit_vllm_{self.port}.log")
         self.log = open(self.log_path, "w")
-        cmd = serve_command(model_path, self.port, **serve_kwargs)
+        cmd = serve_command(model_path, self.port, host=host, **serve_kwargs)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=serve_env(kv_cache_gib),
                                      start_new_session=True, preexec_fn=_terminate_with_parent)
         deadline = time.time() + startup_timeout_s
@@ -81,7 +115,7 @@ class ServerProcess:
                 self.stop()
                 raise RuntimeError(f"vLLM server exited with {self.proc.returncode} while starting:\n{tail}")
             try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                if requests.get(self.url + "/health", timeout=2, headers=auth_headers()).status_code == 200:
                     break
             except requests.RequestException:
                 pass
@@ -114,14 +148,18 @@ class ServerProcess:
 
 
 def main(argv: list[str]) -> None:
-    """`serve`: run a weight-syncable vLLM server in the foreground (what `make vllm-serve` calls)."""
+    """`serve`: run a weight-syncable vLLM server in the foreground (what `make vllm-serve` calls). `api-server`:
+    the server process itself (serve_command's target)."""
     import argparse
 
     from verl_kit.models import resolve_model_path
 
+    if argv[:1] == ["api-server"]:
+        return _api_server(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m verl_kit.vllm_server")
     ap.add_argument("command", choices=["serve"])
     ap.add_argument("--model", required=True, help="path, hub name or tiny-llama")
+    ap.add_argument("--host", default="127.0.0.1", help="other than loopback only with VLLM_API_KEY set")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max_num_seqs", type=int, default=256)
@@ -129,7 +167,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--kv_cache_gib", type=int, default=1, help="KV cache on CPU (VLLM_CPU_KVCACHE_SPACE)")
     args, extra = ap.parse_known_args(argv)
     path = resolve_model_path(args.model)
-    cmd = serve_command(path, args.port, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    cmd = serve_command(path, args.port, host=args.host, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, extra=extra)
     print(" ".join(cmd), flush=True)
     os.execve(cmd[0], cmd, serve_env(args.kv_cache_gib))
