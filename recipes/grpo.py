@@ -8,7 +8,7 @@ penalty in the loss; no critic. Rollouts from HF generate or vLLM, packed token-
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/grpo.py
     make cluster-run RECIPE=recipes/grpo.py CONFIG=recipes/configs/grpo_tiny.yaml NODES=2
 
-The embedded task is PPO's (recipes/ppo.py): the reward is the share of kind adjectives in the reply.
+The embedded task is PPO's (recipes/ppo.py): 1/4 per different kind adjective in the reply, up to four.
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
@@ -40,7 +40,7 @@ from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_m
 from verl_kit.packing import logprobs_from_logits
 from verl_kit.ppo_losses import entropy_from_logits, loss_weights, policy_clipped, policy_loss
 from verl_kit.rewards import make_rewards
-from verl_kit.rollout import evaluate, load_prompt_splits, make_backend, rollout_metrics
+from verl_kit.rollout import evaluate, load_prompt_splits, make_backend, rollout_metrics, sample_rows
 
 
 @dataclass
@@ -99,6 +99,13 @@ def main():
     def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
         return reward.of_rollout(rows, ro, tokenizer)
 
+    def evaluate_held_out() -> dict:  # one response per held-out prompt, same rewards, no KL term
+        return evaluate(accelerator, rollout_engine, test.ids, test.rows, replace(sampling, n=1), score,
+                        cfg.prompts_per_step // world)
+
+    if start == 0 and test.ids:
+        log.log(0, evaluate_held_out())
+
     # ---- training loop -------------------------------------------------------------------------------------------
     for step in range(start, total_steps):
         timer, t_step = Timer(), time.time()
@@ -110,7 +117,8 @@ def main():
 
         # 2. rewards and group-relative advantages (B,)
         with timer("reward"):
-            scores = score([train.rows[i] for i in idx for _ in range(cfg.num_generations)], ro)
+            rows = [train.rows[i] for i in idx for _ in range(cfg.num_generations)]  # the dataset row of each response
+            scores = score(rows, ro)
             advantages = group_advantages(scores, cfg.num_generations, cfg.scale_rewards)
 
         # 3. reference log-probs (for the KL term) and, with several updates per rollout, the old log-probs
@@ -131,8 +139,8 @@ def main():
                 mb_chunks = micro_batches(cfg, mb, [costs[i] for i in mb])
                 n = reduce_metrics({"tokens": lengths[mb].sum(), "seqs": len(mb)})  # minibatch, all ranks
                 with timer("update_actor"):
-                    for rows in actor.accumulate(mb_chunks):
-                        batch, ix = packed(ro, rows)
+                    for chunk in actor.accumulate(mb_chunks):
+                        batch, ix = packed(ro, chunk)
                         logits = actor_logits(actor.model, batch.to(device), ix, cfg.temperature)
                         logprobs = logprobs_from_logits(logits, ix.targets.to(device))
                         old = logprobs.detach() if one_update else old_logprobs[ix.row, ix.pos].to(device)
@@ -167,10 +175,10 @@ def main():
         log.advance(reward=metrics["reward/mean"])
         do_eval = test.ids and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)
         if do_eval:
-            metrics.update(evaluate(accelerator, rollout_engine, test.ids, test.rows, replace(sampling, n=1), score,
-                                    cfg.prompts_per_step // world))
+            metrics.update(evaluate_held_out())
         if (step + 1) % cfg.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
             log.log(step + 1, metrics)
+            log.log_samples(sample_rows(step + 1, rows, ro, scores, tokenizer))
         save_if_due(accelerator, cfg, step + 1)
 
     rollout_engine.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)

@@ -11,8 +11,9 @@ forward passes.
         --config recipes/configs/ppo_gpu.yaml
     make cluster-run RECIPE=recipes/ppo.py CONFIG=recipes/configs/ppo_tiny.yaml NODES=2
 
-The embedded task: reply to the tiny dataset's prompts; the reward is the share of words that are kind adjectives
-(verl_kit.rewards:kind_words), so learning shows as a rising reward/mean on a randomly initialised model.
+The embedded task: reply to the tiny dataset's prompts; a reply earns 1/4 per different kind adjective, up to four
+(verl_kit.rewards:kind_reply), so learning shows as a rising reward/mean on a randomly initialised model, and no
+shorter reply can win it.
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
@@ -60,7 +61,7 @@ from verl_kit.ppo_losses import (
     value_loss,
 )
 from verl_kit.rewards import make_rewards
-from verl_kit.rollout import evaluate, load_prompt_splits, make_backend, rollout_metrics
+from verl_kit.rollout import evaluate, load_prompt_splits, make_backend, rollout_metrics, sample_rows
 
 
 @dataclass
@@ -125,6 +126,13 @@ def main():
     def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
         return reward.of_rollout(rows, ro, tokenizer)
 
+    def evaluate_held_out() -> dict:  # one response per held-out prompt, same rewards, no KL term
+        return evaluate(accelerator, rollout_engine, test.ids, test.rows, replace(sampling, n=1), score,
+                        cfg.prompts_per_step // world)
+
+    if start == 0 and test.ids:
+        log.log(0, evaluate_held_out())
+
     # ---- training loop -------------------------------------------------------------------------------------------
     for step in range(start, total_steps):
         timer, t_step = Timer(), time.time()
@@ -136,7 +144,8 @@ def main():
 
         # 2. rewards: sequence scores (B,)
         with timer("reward"):
-            scores = score([train.rows[i] for i in idx for _ in range(cfg.num_generations)], ro)
+            rows = [train.rows[i] for i in idx for _ in range(cfg.num_generations)]  # the dataset row of each response
+            scores = score(rows, ro)
 
         # 3. old log-probs (the actor before this update), reference log-probs and values
         lengths = mask.sum(-1)
@@ -168,8 +177,8 @@ def main():
                 mb_chunks = micro_batches(cfg, mb, [costs[i] for i in mb])
                 n_tok = reduce_metrics({"n": lengths[mb].sum()})["n"]  # minibatch tokens, all ranks
                 with timer("update_actor"):
-                    for rows in actor.accumulate(mb_chunks):
-                        batch, ix = packed(ro, rows)
+                    for chunk in actor.accumulate(mb_chunks):
+                        batch, ix = packed(ro, chunk)
                         logits = actor_logits(actor.model, batch.to(device), ix, cfg.temperature)
                         logprobs = logprobs_from_logits(logits, ix.targets.to(device))
                         old, adv = old_logprobs[ix.row, ix.pos].to(device), advantages[ix.row, ix.pos].to(device)
@@ -182,8 +191,8 @@ def main():
                                       cfg.cliprange), approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy)
                     grad_norms["actor"].append(actor.step(schedule=last_update))
                 with timer("update_critic"):
-                    for rows in critic.accumulate(mb_chunks):
-                        batch, ix = packed(ro, rows)
+                    for chunk in critic.accumulate(mb_chunks):
+                        batch, ix = packed(ro, chunk)
                         values = critic_values(critic.model, batch.to(device), ix)
                         old_v, ret = old_values[ix.row, ix.pos].to(device), returns[ix.row, ix.pos].to(device)
                         vf = value_loss(values, old_v, ret, cfg.cliprange_value)
@@ -214,10 +223,10 @@ def main():
         log.advance(reward=metrics["reward/mean"])
         do_eval = test.ids and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)
         if do_eval:
-            metrics.update(evaluate(accelerator, rollout_engine, test.ids, test.rows, replace(sampling, n=1), score,
-                                    cfg.prompts_per_step // world))
+            metrics.update(evaluate_held_out())
         if (step + 1) % cfg.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
             log.log(step + 1, metrics)
+            log.log_samples(sample_rows(step + 1, rows, ro, scores, tokenizer))
         save_if_due(accelerator, cfg, step + 1)
 
     rollout_engine.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)

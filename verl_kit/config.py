@@ -116,7 +116,7 @@ class OnlineConfig(TrainConfig, RolloutConfig):
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling; 1.0 keeps every token"})
     top_k: int = field(default=0, metadata={"help": "top-k sampling; 0 keeps every token"})
     ignore_eos: bool = field(default=False, metadata={"help": "always generate max_completion_length (benchmarks)"})
-    reward_fn: str | None = field(default="verl_kit.rewards:kind_words", metadata={
+    reward_fn: str | None = field(default="verl_kit.rewards:kind_reply", metadata={
         "help": "comma-separated reward functions, module:function or path/to/file.py:function"})
     reward_model_name_or_path: str | None = field(default=None, metadata={
         "help": "HF sequence-classification reward model (its own tokenizer and chat template)"})

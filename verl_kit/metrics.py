@@ -97,15 +97,17 @@ class MetricsLogger:
         self.accelerator = accelerator
         self.main = accelerator.is_main_process
         self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(output_dir, "samples.jsonl")
         self.start = time.time()
         self.bar = None
         if not self.main:
             return
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
-            with open(self.path, "w") as f:
-                f.writelines(rows if start_step > 0 else [])
+        for path in (self.path, self.samples_path):
+            if os.path.exists(path):
+                with open(path) as f:
+                    rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
+                with open(path, "w") as f:
+                    f.writelines(rows if start_step > 0 else [])
         if accelerator.log_with:
             init = {"wandb": {"name": run_name}} if run_name else {}
             accelerator.init_trackers("verl-kit", config=config, init_kwargs=init)
@@ -124,8 +126,26 @@ class MetricsLogger:
             f.write(json.dumps(row) + "\n")
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=step)
-        text = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+        # Per-phase timings and weight-sync details go to metrics.jsonl and the trackers, not the console line.
+        text = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items() if not k.startswith(("timing_s/", "weight_sync/")))
         logger.info(f"step {step}: {text} elapsed={row['elapsed_s']:.0f}s")
+
+    def log_samples(self, samples: list[dict]) -> None:
+        """Append sample rows ({step, prompt, completion, reward, reference}) to samples.jsonl, print the first as
+        one INFO line, and send them as a table to wandb when it is a tracker."""
+        if not self.main or not samples:
+            return
+        with open(self.samples_path, "a") as f:
+            f.writelines(json.dumps(s, default=str) + "\n" for s in samples)
+        s = samples[0]
+        logger.info(f"sample at step {s['step']}: reward={_fmt(s['reward'])} prompt={_short(s['prompt'])!r} "
+                    f"completion={_short(s['completion'])!r} reference={_short(s.get('reference'))!r}")
+        if any(str(getattr(t, "value", t)) == "wandb" for t in self.accelerator.log_with or []):
+            import wandb
+
+            columns = ["step", "prompt", "completion", "reward", "reference"]
+            table = wandb.Table(columns=columns, data=[[str(s.get(c)) for c in columns] for s in samples])
+            self.accelerator.get_tracker("wandb").log({"samples": table}, step=s["step"])
 
     def advance(self, n: int = 1, **postfix) -> None:
         if self.bar is not None:
@@ -141,6 +161,14 @@ class MetricsLogger:
         if self.accelerator.log_with:
             self.accelerator.end_training()
         plot_curves(self.path, plot_keys, os.path.join(os.path.dirname(self.path), "curves.png"))
+
+
+def _short(x, n: int = 80) -> str:
+    """Chat messages -> the last message's content; anything -> at most n characters."""
+    if isinstance(x, list) and x and isinstance(x[-1], dict):
+        x = x[-1].get("content", "")
+    text = x if isinstance(x, str) else json.dumps(x, default=str)
+    return text if len(text) <= n else text[:n - 3] + "..."
 
 
 def _fmt(v) -> str:

@@ -40,15 +40,28 @@ import torch
 
 from verl_kit.advantages import truncation_penalty
 from verl_kit.errors import UserError
-from verl_kit.tiny import GOOD
+from verl_kit.tiny import BAD, GOOD
 
 
 def kind_words(prompts, completions) -> list[float]:
-    """The embedded task: the share of a response's words that are kind adjectives (verl_kit.tiny.GOOD)."""
+    """The share of a response's words that are kind adjectives (verl_kit.tiny.GOOD). A two-word reply of one kind
+    word scores 0.5: policies learn to shorten their replies (the benchmarks' reward; the demo uses kind_reply)."""
     out = []
     for text in completions:
         words = re.findall(r"[a-z]+", text.lower())
         out.append(sum(w in GOOD for w in words) / max(len(words), 1))
+    return out
+
+
+def kind_reply(prompts, completions) -> list[float]:
+    """The embedded task: a reply earns 1/4 for each *different* kind adjective it uses (verl_kit.tiny.GOOD, up to
+    four) and loses 1/4 for each dismissive one (BAD), floored at 0. Shortening a reply cannot raise it, repeating
+    one word neither: only using more kind words can."""
+    out = []
+    for text in completions:
+        words = re.findall(r"[a-z]+", text.lower())
+        kind, unkind = len({w for w in words if w in GOOD}), sum(w in BAD for w in words)
+        out.append(max(min(kind, 4) - unkind, 0) / 4)
     return out
 
 

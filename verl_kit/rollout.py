@@ -192,12 +192,14 @@ def evaluate(accelerator, engine, prompts: list[list[int]], raw_prompts: list, p
     prompts sharded over processes, `batch_size` per generate call. Every process makes the same calls (ZeRO-3
     lockstep). The torch RNG is forked, so a run samples the same training rollouts with or without evaluation."""
     from verl_kit.distributed import Tally, shard
+    from verl_kit.metrics import progress
 
     world, rank, n = accelerator.num_processes, accelerator.process_index, len(prompts)
     mine = shard(n, rank, world)
     tally = Tally()
+    starts = range(0, len(mine), batch_size)
     with torch.random.fork_rng():
-        for i in range(0, len(mine), batch_size):
+        for i in progress(starts, "eval", len(starts), accelerator.is_main_process):
             idx = mine[i:i + batch_size]
             ro = engine.generate([prompts[j] for j in idx], params)
             scores = score([raw_prompts[j] for j in idx for _ in range(params.n)], ro).view(len(idx), params.n)
@@ -206,6 +208,17 @@ def evaluate(accelerator, engine, prompts: list[list[int]], raw_prompts: list, p
                       tokens=ro.response_mask.view(len(idx), params.n, -1)[real])
     t = tally.reduce()
     return {"eval/reward_mean": t["score"] / t["responses"], "eval/response_length": t["tokens"] / t["responses"]}
+
+
+def sample_rows(step: int, rows: list[dict], ro: Rollout, scores: torch.Tensor, tokenizer, k: int = 4) -> list[dict]:
+    """k of a step's responses, spread over its prompts, as readable rows for samples.jsonl: step, prompt (as in the
+    dataset), completion (decoded), reward, and the row's other columns as `reference`."""
+    out = []
+    for i in range(0, len(rows), max(1, len(rows) // k))[:k]:
+        text = tokenizer.decode(ro.response_ids[i][ro.response_mask[i]], skip_special_tokens=True)
+        out.append({"step": step, "prompt": rows[i]["prompt"], "completion": text, "reward": float(scores[i]),
+                    "reference": {c: v for c, v in rows[i].items() if c != "prompt"}})
+    return out
 
 
 def make_backend(cfg, accelerator, actor, model_path: str, tokenizer, probe_prompts: list[list[int]]):
