@@ -21,14 +21,22 @@ import torch
 from verl_kit.checkpoint import resume, save_if_due
 from verl_kit.config import OfflineConfig, parse_args
 from verl_kit.data import load_splits, preference_examples
-from verl_kit.distributed import Tally, destroy, make_accelerator, micro_batches, param_counts, step_indices
+from verl_kit.distributed import (
+    Tally,
+    destroy,
+    make_accelerator,
+    micro_batches,
+    param_counts,
+    step_indices,
+    steps_indices,
+)
 from verl_kit.engine import Trainable
 from verl_kit.errors import main_guard
 from verl_kit.losses import dpo_loss, implicit_rewards
 from verl_kit.metrics import MetricsLogger
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask
 from verl_kit.packing import forward_logits, sequence_logprobs
-from verl_kit.scoring import completion_sequences, make_batch, score_items
+from verl_kit.scoring import completion_sequences, make_batch, score_items, score_subset
 
 
 @dataclass
@@ -74,8 +82,10 @@ def main():
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train) / per_step)
     policy = Trainable(accelerator, model, cfg, cfg.learning_rate, total_steps)
 
-    # ---- reference log-probs: the initial policy, scored before any update ---------------------------------------
-    ref_train = score_items(accelerator, policy.model, items(train), cfg, pad, block_mask, "reference train")
+    # ---- reference log-probs: the initial policy, scored before any update, for the pairs the run will read -------
+    # (the pairs of every step from 0, also on resume: scored in the same batches, they are bit-identical)
+    needed = steps_indices(len(train), range(total_steps), per_step, cfg.seed)
+    ref_train = score_subset(accelerator, policy.model, items(train), needed, cfg, pad, block_mask, "reference train")
     ref_test = score_items(accelerator, policy.model, items(test), cfg, pad, block_mask, "reference test") if test \
         else None
 

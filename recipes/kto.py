@@ -24,14 +24,14 @@ import torch
 from verl_kit.checkpoint import resume, save_if_due
 from verl_kit.config import OfflineConfig, parse_args
 from verl_kit.data import load_splits, mismatched_partners, unpaired_examples
-from verl_kit.distributed import Tally, destroy, make_accelerator, micro_batches, step_indices
+from verl_kit.distributed import Tally, destroy, make_accelerator, micro_batches, step_indices, steps_indices
 from verl_kit.engine import Trainable
 from verl_kit.errors import UserError, main_guard
 from verl_kit.losses import kl_reference_point, kto_loss
 from verl_kit.metrics import MetricsLogger
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask
 from verl_kit.packing import forward_logits, sequence_logprobs
-from verl_kit.scoring import completion_sequences, make_batch, score_items
+from verl_kit.scoring import completion_sequences, make_batch, score_items, score_subset
 
 logger = logging.getLogger("verl_kit")
 
@@ -96,7 +96,9 @@ def main():
     # ---- reference log-probs of target and KL sequences: the initial policy, scored before any update ------------
     score = lambda exs, partner, desc: score_items(accelerator, policy.model, both(exs, partner), cfg, pad, block_mask,
                                                    desc)  # (n, 2)
-    ref_train = score(train, kl_train, "reference train")
+    needed = steps_indices(len(train), range(total_steps), per_step, cfg.seed)  # what the run reads
+    ref_train = score_subset(accelerator, policy.model, both(train, kl_train), needed, cfg, pad, block_mask,
+                             "reference train")
     ref_test = score(test, kl_test, "reference test") if test else None
 
     def evaluate(step):

@@ -302,7 +302,7 @@ def test_server_started_by_a_run_dies_with_it(tmp_path):
 
     def servers() -> set[int]:
         return {p.pid for p in psutil.process_iter(["cmdline"])
-                if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or [])}
+                if "verl_kit.vllm_server api-server" in " ".join(p.info["cmdline"] or [])}
 
     before = servers()
     out = tmp_path / "run"

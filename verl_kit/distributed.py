@@ -148,6 +148,12 @@ def step_indices(n: int, step: int, per_step: int, seed: int, rank: int, world: 
     return out[rank * k:(rank + 1) * k]
 
 
+def steps_indices(n: int, steps: range, per_step: int, seed: int) -> list[int]:
+    """Every item index that optimizer steps `steps` read on any process (see step_indices), sorted: what a run that
+    stops at --max_steps actually needs (e.g. reference log-probs), not the whole split."""
+    return sorted({i for step in steps for i in step_indices(n, step, per_step, seed, 0, 1)})
+
+
 def destroy() -> None:
     """Tear the process group down at exit (gloo otherwise warns or hangs on interpreter shutdown)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():

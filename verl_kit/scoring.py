@@ -26,6 +26,15 @@ def make_batch(items: list[Sequences], cfg, pad_id: int, block_mask: bool) -> To
     return layout(seqs, masks, pad_id, packing=cfg.packing, packing_length=cfg.packing_length, block_mask=block_mask)
 
 
+def score_subset(accelerator, model, items: list[Sequences], needed: list[int], cfg, pad_id: int, block_mask: bool,
+                 desc: str) -> torch.Tensor:
+    """score_items on items[needed] only, scattered back: (n_items, k), NaN for the items not scored."""
+    scored = score_items(accelerator, model, [items[i] for i in needed], cfg, pad_id, block_mask, desc)
+    out = torch.full((len(items), scored.shape[1]), float("nan"), dtype=scored.dtype)
+    out[needed] = scored
+    return out
+
+
 @torch.no_grad()
 def score_items(accelerator, model, items: list[Sequences], cfg, pad_id: int, block_mask: bool,
                 desc: str = "scoring") -> torch.Tensor:

@@ -93,8 +93,11 @@ def build_tokenizer(vocab_size: int = 1024):
 
 
 def build_tiny_model(out_dir: str, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 2,
-                     intermediate_size: int = 512, vocab_size: int = 1024, seed: int = 0) -> str:
-    """Write a randomly initialised Llama (head_dim 64, vLLM-compatible) and its tokenizer to `out_dir`, atomically."""
+                     intermediate_size: int = 512, vocab_size: int = 1024, seed: int = 0,
+                     tie_word_embeddings: bool = False) -> str:
+    """Write a randomly initialised Llama (head_dim 64, vLLM-compatible) and its tokenizer to `out_dir`, atomically.
+    `tie_word_embeddings`: the output layer is the input embedding (one tensor, saved once, like SmolLM2 or Qwen2.5
+    small models); the embedded default is untied."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -102,7 +105,7 @@ def build_tiny_model(out_dir: str, hidden_size: int = 128, num_layers: int = 2, 
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
-        max_position_embeddings=1024, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=1024, tie_word_embeddings=tie_word_embeddings, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
     torch.manual_seed(seed)

