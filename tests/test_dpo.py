@@ -122,6 +122,6 @@ def test_report_to_trackers(tmp_path, tracker, pattern):
 def test_shipped_configs_parse(config):
     """Every shipped yaml names only known flags of its recipe (dpo_*.yaml -> dpo.py, ...) with valid types
     (--help exits 0 only after the config is validated)."""
-    recipe = config.split("_")[0] + ".py"
+    recipe = config.rsplit("_", 1)[0] + ".py"
     p = run(recipe_cmd(recipe, ["--config", str(REPO / "recipes" / "configs" / config), "--help"]), check=False)
     assert p.returncode == 0, p.stderr[-1000:]

@@ -1,5 +1,6 @@
-"""Preference losses as pure tensor functions. Inputs are per-sequence log-probabilities summed (or averaged, for IPO)
-over completion tokens; outputs are per-example losses, so the caller chooses and states the reduction."""
+"""Preference losses as pure tensor functions. DPO/IPO/KTO take per-sequence log-probabilities summed (or averaged, for
+IPO) over completion tokens; Bradley-Terry takes the reward model's scalar rewards. Outputs are per-example losses,
+so the caller chooses and states the reduction."""
 
 from __future__ import annotations
 
@@ -58,3 +59,13 @@ def kl_reference_point(kl_logratio_sum: torch.Tensor, count: torch.Tensor) -> to
     micro-batches and ranks, so every example of a step sees the same z0. Detached (no gradient flows through z0,
     as in the paper); 0 when count is 0."""
     return (kl_logratio_sum.detach() / count.clamp(min=1)).clamp(min=0)
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
+                       center_coefficient: float = 0.0) -> torch.Tensor:
+    """Per-pair reward-model loss, shape (B,): -log sigma(r_w - r_l - m), the Bradley-Terry likelihood of the
+    preference (InstructGPT, Ouyang et al. 2022, eq. 1), with the pair's margin m (Llama 2, Touvron et al. 2023,
+    eq. 2; 0 when `margin` is None), plus center_coefficient * (r_w + r_l)^2, which keeps the rewards near zero
+    mean (Eisenstein et al. 2023; TRL's center_rewards_coefficient). chosen r_w, rejected r_l, margin: (B,)."""
+    diff = chosen - rejected - (margin if margin is not None else 0.0)
+    return -F.logsigmoid(diff) + center_coefficient * (chosen + rejected) ** 2

@@ -37,10 +37,11 @@ def score_subset(accelerator, model, items: list[Sequences], needed: list[int], 
 
 @torch.no_grad()
 def score_items(accelerator, model, items: list[Sequences], cfg, pad_id: int, block_mask: bool,
-                desc: str = "scoring") -> torch.Tensor:
-    """Summed completion log-probs of every sequence of every item: (n_items, k), on CPU, identical on all ranks.
-    Every rank scores ceil(n/world) items in the same number of forward passes (ZeRO-3 needs lockstep); progress is
-    shown as `desc`."""
+                desc: str = "scoring", score_batch=None) -> torch.Tensor:
+    """A score per sequence of every item: (n_items, k), on CPU, identical on all ranks. The score is
+    `score_batch(model, batch) -> (N,)`, by default the summed completion log-probs. Every rank scores ceil(n/world)
+    items in the same number of forward passes (ZeRO-3 needs lockstep); progress is shown as `desc`."""
+    score_batch = score_batch or (lambda m, b: sequence_logprobs(forward_logits(m, b), b))
     was_training = model.training
     model.eval()
     mine = shard(len(items), accelerator.process_index, accelerator.num_processes)
@@ -50,7 +51,7 @@ def score_items(accelerator, model, items: list[Sequences], cfg, pad_id: int, bl
     for i in progress(starts, desc, len(starts), accelerator.is_main_process):
         chunk = [items[j] for j in mine[i:i + cfg.per_device_eval_batch_size]]
         batch = make_batch(chunk, cfg, pad_id, block_mask).to(accelerator.device)
-        out.append(sequence_logprobs(forward_logits(model, batch), batch).float().view(len(chunk), k))
+        out.append(score_batch(model, batch).float().view(len(chunk), k))
     local = torch.cat(out)
     gathered = all_gather(accelerator, local)
     model.train(was_training)
