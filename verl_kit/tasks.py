@@ -1,0 +1,118 @@
+"""Embedded tasks with verifiable answers, for RLVR on the real model (recipes/grpo.py), generated offline with a fixed
+seed.
+
+arith   "What is 17 + 25? Reply with only the number." (operands 1..30): chat-message `prompt`, reference `answer` (a
+        string, "42"). 128 held-out problems (test.jsonl) never appear in train.jsonl (3000 rows drawn from the other
+        772 problems, each 3-4 times). Scored with `final_number` below. Regenerate the shipped files with
+        `python -m verl_kit.tasks arith`; recipes/configs/grpo_arith.yaml trains on it.
+
+Why this task for SmolLM2-135M-Instruct (measured with vLLM on the 128 held-out prompts, final_number as the
+scorer): the model knows the form and often the sum ("14 + 9 = 23"), but not reliably: greedy it is right on 0.33 of
+them; sampled at temperature 0.7 on 0.15 (at 1.0 on 0.08), because many samples wander off into chatter ("This is a
+classic problem ...") that is cut at the length limit. So the reward starts low, a group of 8 samples often holds a
+right and a wrong answer, and the policy can learn both to answer in the "a + b = c." form and stop, and to add
+better (held-out 0.14 -> 0.68 in 30 GRPO steps, greedy 0.33 -> 0.70; see the config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+ARITH = str(ASSETS / "arith")  # directory with train.jsonl and test.jsonl, for --dataset_name
+
+ARITH_INSTRUCTION = "Reply with only the number."
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> str:
+    """The last number written out in `text` ("" when none): "12 + 17 = 29." -> "29", "12 + 17" -> "17". Digit
+    group commas are dropped first ("1,000" -> "1000")."""
+    found = _NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3}\b)", "", text))
+    return found[-1] if found else ""
+
+
+def final_number(prompts, completions, **columns) -> list[float]:
+    """math_answer on the completion's last written-out number only: 1.0 when that number equals the row's `answer`
+    (math-verify comparison, so "29.0" equals "29"), else 0.0.
+
+    For arithmetic prompts plain math_answer has a hole: math-verify *evaluates* a final expression, so a completion
+    that only restates the question ("12 + 17", "The answer is 12 + 17") scores 1.0 against "29", and a policy can
+    learn to echo instead of adding. Here an answer must be written as a number; "12 + 17 = 29" and "29" still
+    score 1.0."""
+    from verl_kit.rewards import math_answer
+
+    return math_answer(prompts, [last_number(c) for c in completions], **columns)
+
+
+def arith_problems(lo: int = 1, hi: int = 30, ops: str = "+") -> list[tuple[int, str, int]]:
+    """Every problem (a, op, b) with lo <= a, b <= hi, in a fixed order; subtraction only where a >= b."""
+    return [(a, op, b) for op in ops for a in range(lo, hi + 1) for b in range(lo, hi + 1)
+            if not (op == "-" and b > a)]
+
+
+def arith_row(a: int, op: str, b: int, instruction: str = ARITH_INSTRUCTION) -> dict:
+    """One dataset row: the question as chat messages (the model's chat template adds its system prompt) and the
+    reference answer as a string (math_answer parses it)."""
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    question = f"What is {a} {op} {b}? {instruction}".strip()
+    return {"prompt": [{"role": "user", "content": question}], "answer": str(value)}
+
+
+def arith_splits(n_train: int = 3000, n_test: int = 128, seed: int = 0, lo: int = 1, hi: int = 30, ops: str = "+",
+                 instruction: str = ARITH_INSTRUCTION) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows): n_test distinct problems held out, the train rows drawn from the other problems
+    (with replacement when n_train exceeds them; each distinct problem then appears a similar number of times)."""
+    rng = random.Random(seed)
+    problems = arith_problems(lo, hi, ops)
+    if n_test >= len(problems):
+        raise ValueError(f"{n_test} held-out problems leave none to train on ({len(problems)} in all)")
+    rng.shuffle(problems)
+    test, rest = problems[:n_test], problems[n_test:]
+    train = []
+    while len(train) < n_train:  # whole shuffled passes over the train problems, the last one cut
+        chunk = rest[:]
+        rng.shuffle(chunk)
+        train += chunk[:n_train - len(train)]
+    return ([arith_row(*p, instruction=instruction) for p in train],
+            [arith_row(*p, instruction=instruction) for p in test])
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def write_arith(out_dir: str = ARITH, **kwargs) -> tuple[int, int]:
+    """Write train.jsonl and test.jsonl into out_dir; returns their row counts."""
+    train, test = arith_splits(**kwargs)
+    os.makedirs(out_dir, exist_ok=True)
+    write_jsonl(os.path.join(out_dir, "train.jsonl"), train)
+    write_jsonl(os.path.join(out_dir, "test.jsonl"), test)
+    return len(train), len(test)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m verl_kit.tasks", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="task", required=True)
+    arith = sub.add_parser("arith", help="write the arith task (train.jsonl, test.jsonl)")
+    arith.add_argument("--out", default=ARITH, help="output directory (default: the shipped assets/arith)")
+    arith.add_argument("--n_train", type=int, default=3000)
+    arith.add_argument("--n_test", type=int, default=128)
+    arith.add_argument("--seed", type=int, default=0)
+    arith.add_argument("--hi", type=int, default=30, help="largest operand (operands are 1..hi)")
+    args = parser.parse_args(argv)
+    if args.task == "arith":
+        n_train, n_test = write_arith(args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, hi=args.hi)
+        print(f"wrote {n_train} train and {n_test} test rows to {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
