@@ -93,7 +93,7 @@ def main():
     sampling = cfg.sampling()
 
     start = resume(accelerator, cfg)
-    rollout_engine.load_weights(actor.unwrapped())  # weight sync: the rollout copy = the actor
+    rollout_engine.load_weights(actor.unwrapped(), version=start)  # weight sync: the rollout copy = the actor
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
     def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
@@ -160,7 +160,7 @@ def main():
                     grad_norms.append(actor.step(schedule=last_update))
 
         # 5. weight sync: the rollout engine generates with the updated actor from the next step on
-        sync_metrics = rollout_engine.load_weights(actor.unwrapped())
+        sync_metrics = rollout_engine.load_weights(actor.unwrapped(), version=step + 1)
 
         # ---- metrics, checkpoint -------------------------------------------------------------------------------
         tally.add(flat_groups=scores.view(-1, cfg.num_generations).std(-1) == 0, groups=B / cfg.num_generations)

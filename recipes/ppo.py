@@ -120,7 +120,7 @@ def main():
     sampling = cfg.sampling()
 
     start = resume(accelerator, cfg)
-    rollout_engine.load_weights(actor.unwrapped())  # weight sync: the rollout copy = the actor
+    rollout_engine.load_weights(actor.unwrapped(), version=start)  # weight sync: the rollout copy = the actor
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
     def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
@@ -202,7 +202,7 @@ def main():
                     grad_norms["critic"].append(critic.step(schedule=last_update))
 
         # 6. weight sync: the rollout engine generates with the updated actor from the next step on
-        sync_metrics = rollout_engine.load_weights(actor.unwrapped())
+        sync_metrics = rollout_engine.load_weights(actor.unwrapped(), version=step + 1)
 
         # ---- metrics, KL controller, checkpoint ----------------------------------------------------------------
         tally.add(kl=kl, responses=B, **masked_moments(returns - old_values, mask, "resid_"),

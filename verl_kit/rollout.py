@@ -1,8 +1,9 @@
 """Rollout: prompts in; response token ids, response mask and sampling log-probs out.
 
-A backend has three methods: `load_weights(actor) -> dict` (the weight sync, called after every update; returns
-weight_sync/* metrics), `generate(prompts, params) -> Rollout` and `close()`. `make_backend` builds the one `--rollout`
-names: HF generate (below), or a vLLM engine or server (verl_kit.vllm_rollout).
+A backend has three methods: `load_weights(actor, version) -> dict` (the weight sync, called after every update with
+the optimizer step that produced the weights; returns weight_sync/* metrics), `generate(prompts, params) -> Rollout`
+and `close()`. `make_backend` builds the one `--rollout` names: HF generate (below), or a vLLM engine or server
+(verl_kit.vllm_rollout).
 
 The HF-generate backend keeps a plain (unsharded, hook-free) copy of the policy on each process. Under ZeRO-3, calling
 generate on the training engine would all-gather every layer's parameters again at every generated token; here they
@@ -145,16 +146,16 @@ class HFGenerateBackend:
         """Nothing to release (the vLLM backends stop their engine or server here)."""
 
     @torch.no_grad()
-    def load_weights(self, actor) -> dict:
+    def load_weights(self, actor, version: int = 0) -> dict:
         """Weight sync: copy the (unwrapped) actor's parameters, gathered one at a time under ZeRO-3. Collective:
-        every process calls it, at the same point."""
+        every process calls it, at the same point. `version`: the optimizer step that produced the weights."""
         from verl_kit.models import gathered_params
 
         t0 = time.time()
         for name, p in actor.named_parameters():
             with gathered_params(actor, [p]):
                 self.model.get_parameter(name).copy_(p.data)
-        return {"weight_sync/seconds": time.time() - t0}
+        return {"weight_sync/seconds": time.time() - t0, "weight_sync/version": version}
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:

@@ -121,7 +121,6 @@ class _Checked:
     probe: Probe | None
     bucket_mb: float
     sync_timeout_s: float
-    version: int = 0
 
     def _push(self, blob: str, seconds: float) -> None:
         raise NotImplementedError
@@ -136,14 +135,13 @@ class _Checked:
     def pushes(self) -> bool:
         return True
 
-    def load_weights(self, actor) -> dict:
+    def load_weights(self, actor, version: int = 0) -> dict:
         """Weight sync + probe. Collective: every training process calls it at the same point, after each update.
-        Returns weight_sync/* metrics (weight_sync/version counts the syncs: the policy version the next rollouts
-        come from) and the probe's rollout/* metrics; raises RuntimeError when the probe fails."""
+        Returns weight_sync/* metrics (`version`: the optimizer step that produced these weights, the policy version
+        the next rollouts come from) and the probe's rollout/* metrics; raises RuntimeError when the probe fails."""
         metrics = sync_weights(actor, self._push if self.pushes else None, self._commit if self.pushes else None,
                                self.bucket_mb, self.sync_timeout_s)
-        self.version += 1
-        metrics["weight_sync/version"] = self.version
+        metrics["weight_sync/version"] = version
         if self.probe is not None:
             metrics.update(self.probe.check(self.score, actor, self.pushes))
         return metrics
