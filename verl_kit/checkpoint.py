@@ -44,7 +44,7 @@ def resolve_resume(output_dir: str, resume: str | None) -> str | None:
     return resume
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, keep: int) -> str:
+def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
     if accelerator.is_main_process:
@@ -54,7 +54,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, keep: 
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump({"step": step, **state}, f)
+            json.dump({"step": step}, f)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         for _, old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
@@ -83,4 +83,4 @@ def resume(accelerator, cfg) -> int:
 def save_if_due(accelerator, cfg, step: int) -> None:
     """Checkpoint after optimizer step `step` every `--save_steps` (0: never), keeping `--save_total_limit`."""
     if cfg.save_steps and step % cfg.save_steps == 0:
-        save_checkpoint(accelerator, cfg.output_dir, step, {}, cfg.save_total_limit)
+        save_checkpoint(accelerator, cfg.output_dir, step, cfg.save_total_limit)
