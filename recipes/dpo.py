@@ -32,6 +32,7 @@ from verl_kit.distributed import (
 )
 from verl_kit.engine import Trainable
 from verl_kit.errors import main_guard
+from verl_kit.lora import with_lora
 from verl_kit.losses import dpo_loss, implicit_rewards
 from verl_kit.metrics import MetricsLogger
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask
@@ -76,7 +77,7 @@ def main():
     items = lambda exs: [completion_sequences(e.prompt_ids, [e.chosen_ids, e.rejected_ids]) for e in exs]
     lengths = lambda exs: torch.tensor([[len(e.chosen_ids), len(e.rejected_ids)] for e in exs], dtype=torch.float32)
 
-    model = load_causal_lm(model_path, cfg.attn_implementation, cfg.gradient_checkpointing)
+    model = with_lora(load_causal_lm(model_path, cfg.attn_implementation, cfg.gradient_checkpointing), cfg)
     block_mask = uses_block_mask(model)
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world  # pairs per optimizer step
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train) / per_step)

@@ -35,6 +35,7 @@ from verl_kit.distributed import (
 )
 from verl_kit.engine import Trainable, frozen
 from verl_kit.errors import UserError, main_guard
+from verl_kit.lora import reference, with_lora
 from verl_kit.metrics import MetricsLogger, Timer, logger
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path
 from verl_kit.packing import logprobs_from_logits
@@ -83,9 +84,11 @@ def main():
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train.ids)
                                                                       / cfg.prompts_per_step)
     attn = cfg.attn_implementation
-    actor = Trainable(accelerator, load_causal_lm(model_path, attn, cfg.gradient_checkpointing), cfg,
+    actor = Trainable(accelerator, with_lora(load_causal_lm(model_path, attn, cfg.gradient_checkpointing), cfg), cfg,
                       cfg.learning_rate, total_steps)
-    ref = frozen(accelerator, lambda: load_causal_lm(model_path, attn)) if cfg.beta > 0 else None
+    # the initial policy; with --use_peft the actor itself with its adapter disabled (no second copy of the weights)
+    ref = None if cfg.beta == 0 else reference(actor.model) if cfg.use_peft else \
+        frozen(accelerator, lambda: load_causal_lm(model_path, attn))
     packed = ResponsePacker(cfg, pad, actor.unwrapped())  # rollout rows -> packed (or padded) forward batches
     reward = make_rewards(cfg, accelerator)  # reward functions and/or a frozen reward model, weighted
     rollout_engine = make_backend(cfg, accelerator, actor.unwrapped(), model_path, tokenizer,

@@ -27,6 +27,7 @@ from verl_kit.data import load_splits, mismatched_partners, unpaired_examples
 from verl_kit.distributed import Tally, destroy, make_accelerator, micro_batches, step_indices, steps_indices
 from verl_kit.engine import Trainable
 from verl_kit.errors import UserError, main_guard
+from verl_kit.lora import with_lora
 from verl_kit.losses import kl_reference_point, kto_loss
 from verl_kit.metrics import MetricsLogger
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask
@@ -87,7 +88,7 @@ def main():
                        "%d undesirable) is outside [1, 4/3], the range the KTO paper recommends; adjust "
                        "--desirable_weight / --undesirable_weight", balance, n_d, n_u)
 
-    model = load_causal_lm(model_path, cfg.attn_implementation, cfg.gradient_checkpointing)
+    model = with_lora(load_causal_lm(model_path, cfg.attn_implementation, cfg.gradient_checkpointing), cfg)
     block_mask = uses_block_mask(model)
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world  # examples per step
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train) / per_step)

@@ -49,6 +49,7 @@ from verl_kit.distributed import (
 )
 from verl_kit.engine import Trainable, frozen
 from verl_kit.errors import UserError, main_guard
+from verl_kit.lora import reference, with_lora
 from verl_kit.metrics import MetricsLogger, Timer
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path
 from verl_kit.packing import logprobs_from_logits
@@ -102,13 +103,14 @@ def main():
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train.ids)
                                                                       / cfg.prompts_per_step)
     attn = cfg.attn_implementation
-    actor = Trainable(accelerator, load_causal_lm(model_path, attn, cfg.gradient_checkpointing), cfg,
+    actor = Trainable(accelerator, with_lora(load_causal_lm(model_path, attn, cfg.gradient_checkpointing), cfg), cfg,
                       cfg.learning_rate, total_steps)
     critic_path = model_path if cfg.critic_init == "policy" else resolve_model_path(cfg.reward_model_name_or_path)
-    critic = Trainable(accelerator, CriticModel.from_pretrained(critic_path, cfg.critic_init, attn,
-                                                                cfg.gradient_checkpointing),
-                       cfg, cfg.critic_learning_rate, total_steps)
-    ref = frozen(accelerator, lambda: load_causal_lm(model_path, attn))
+    critic_model = CriticModel.from_pretrained(critic_path, cfg.critic_init, attn, cfg.gradient_checkpointing)
+    critic_model.backbone = with_lora(critic_model.backbone, cfg, task_type=None)  # --use_peft: its own adapter
+    critic = Trainable(accelerator, critic_model, cfg, cfg.critic_learning_rate, total_steps)
+    # the initial policy; with --use_peft the actor itself with its adapter disabled (no second copy of the weights)
+    ref = reference(actor.model) if cfg.use_peft else frozen(accelerator, lambda: load_causal_lm(model_path, attn))
     packed = ResponsePacker(cfg, pad, actor.unwrapped())  # rollout rows -> packed (or padded) forward batches
     kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
               else FixedKLController(cfg.kl_coef))

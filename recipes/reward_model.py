@@ -25,6 +25,7 @@ from verl_kit.data import load_splits, preference_examples
 from verl_kit.distributed import Tally, destroy, make_accelerator, micro_batches, param_counts, step_indices
 from verl_kit.engine import Trainable
 from verl_kit.errors import main_guard
+from verl_kit.lora import with_lora
 from verl_kit.losses import bradley_terry_loss
 from verl_kit.metrics import MetricsLogger
 from verl_kit.models import export_hf, load_tokenizer, resolve_model_path, uses_block_mask
@@ -60,6 +61,7 @@ def main():
     center = cfg.center_rewards_coefficient or 0.0
 
     model = load_reward_classifier(model_path, pad, cfg.attn_implementation, cfg.gradient_checkpointing)
+    model.classifier = with_lora(model.classifier, cfg, task_type="SEQ_CLS")  # --use_peft: adapter, trained head
     block_mask = uses_block_mask(model)
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world  # pairs per optimizer step
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train) / per_step)

@@ -17,6 +17,9 @@ from verl_kit.errors import UserError
 logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
+# What the saved weights are: a checkpoint resumed under other values would load its base weights and adapter into a
+# run that means another model (or fail deep inside load_state on mismatched shapes).
+MODEL_FLAGS = ("model_name_or_path", "use_peft", "lora_r", "lora_target_modules")
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
@@ -44,7 +47,8 @@ def resolve_resume(output_dir: str, resume: str | None) -> str | None:
     return resume
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
+def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: dict) -> str:
+    """Checkpoint `step` (`model`: the MODEL_FLAGS values, checked on resume), keeping the last `keep`."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
     if accelerator.is_main_process:
@@ -54,7 +58,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump({"step": step}, f)
+            json.dump({"step": step, "model": model}, f)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         for _, old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
@@ -64,11 +68,16 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int) -> str:
     return final
 
 
-def load_checkpoint(accelerator, path: str) -> dict:
-    """Restore model, optimizer, scheduler and RNG; returns the trainer state (step, ...)."""
-    accelerator.load_state(path)
+def load_checkpoint(accelerator, path: str, model: dict) -> dict:
+    """Restore model, optimizer, scheduler and RNG; returns the trainer state (step, ...). Refuses, before loading
+    anything, a checkpoint of another model (`model`: this run's MODEL_FLAGS values)."""
     with open(os.path.join(path, STATE_FILE)) as f:
         state = json.load(f)
+    for flag, value in state.get("model", {}).items():
+        if model.get(flag) != value:
+            raise UserError(f"--resume_from_checkpoint {path}: saved with --{flag} {value}, this run has --{flag} "
+                            f"{model.get(flag)}")
+    accelerator.load_state(path)
     logger.info("resumed from %s at step %d", path, state["step"])
     return state
 
@@ -77,10 +86,14 @@ def resume(accelerator, cfg) -> int:
     """`--resume_from_checkpoint` ('auto' or a path; TrainConfig fields): restore every prepared model, optimizer,
     scheduler and RNG from it. Returns the step to continue from, 0 when there is nothing to resume."""
     path = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
-    return load_checkpoint(accelerator, path)["step"] if path else 0
+    return load_checkpoint(accelerator, path, model_flags(cfg))["step"] if path else 0
 
 
 def save_if_due(accelerator, cfg, step: int) -> None:
     """Checkpoint after optimizer step `step` every `--save_steps` (0: never), keeping `--save_total_limit`."""
     if cfg.save_steps and step % cfg.save_steps == 0:
-        save_checkpoint(accelerator, cfg.output_dir, step, cfg.save_total_limit)
+        save_checkpoint(accelerator, cfg.output_dir, step, cfg.save_total_limit, model_flags(cfg))
+
+
+def model_flags(cfg) -> dict:
+    return {flag: getattr(cfg, flag) for flag in MODEL_FLAGS}

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from verl_kit.errors import UserError
+from verl_kit.lora import check_flags as check_lora_flags
 from verl_kit.rollout import SamplingParams
 from verl_kit.tiny import TINY_MODEL_NAME, TINY_PREFS
 
@@ -64,6 +65,14 @@ class TrainConfig:
     report_to: str = field(default="none", metadata={"help": "none, wandb or tensorboard"})
     run_name: str | None = field(default=None, metadata={"help": "tracker run name"})
     collective_timeout_s: int = field(default=1800, metadata={"help": "timeout for every collective (seconds)"})
+    use_peft: bool = field(default=False, metadata={
+        "help": "train a LoRA adapter (peft) instead of every weight; the reference is the base model"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (with --use_peft)"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
+    lora_dropout: float = field(default=0.05, metadata={"help": "dropout on the LoRA branch's input"})
+    lora_target_modules: str | None = field(default=None, metadata={
+        "help": "comma-separated module names to adapt (q_proj,v_proj); default all-linear: every linear layer of "
+                "the decoder, not the output layer"})
 
 
 @dataclass
@@ -211,6 +220,7 @@ def parse_args(config_cls, argv: list[str] | None = None):
                  "prompts_per_step", "num_generations", "max_completion_length"):
         if getattr(cfg_obj, name, 1) < 1:
             raise UserError(f"--{name}: must be >= 1, got {getattr(cfg_obj, name)}")
+    check_lora_flags(cfg_obj, config_cls())
     if cfg_obj.max_prompt_length >= cfg_obj.max_length:
         raise UserError(f"--max_prompt_length ({cfg_obj.max_prompt_length}) must be below --max_length "
                         f"({cfg_obj.max_length}) to leave room for the completion")

@@ -37,7 +37,8 @@ class Trainable:
         from transformers import get_scheduler
 
         self.accelerator, self.max_grad_norm = accelerator, cfg.max_grad_norm
-        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=cfg.weight_decay)
+        trained = [p for p in model.parameters() if p.requires_grad]  # a LoRA model: the adapter (and any head)
+        optimizer = torch.optim.AdamW(trained, lr=learning_rate, weight_decay=cfg.weight_decay)
         self.scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, int(cfg.warmup_ratio * total_steps),
                                        total_steps)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)

@@ -105,14 +105,20 @@ def uses_block_mask(model) -> bool:
 
 
 def export_hf(accelerator, model, tokenizer, out_dir: str) -> None:
-    """Write the model (ZeRO-3 shards gathered) as safetensors + tokenizer to `out_dir`, atomically."""
+    """Write the model (ZeRO-3 shards gathered) as safetensors + tokenizer to `out_dir`, atomically. A LoRA model:
+    the adapter in `out_dir`, the merged model in `out_dir/merged` (verl_kit.lora.export_adapter)."""
+    from verl_kit.lora import export_adapter, peft_model
+
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         tmp = out_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        if peft_model(unwrapped) is not None:
+            export_adapter(unwrapped, state_dict, tokenizer, tmp)
+        else:
+            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.rename(tmp, out_dir)
     accelerator.wait_for_everyone()

@@ -58,9 +58,13 @@ class TokenRewardModel(nn.Module):
         return self.classifier.config
 
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        hidden = self.classifier.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                            position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.classifier.score(hidden).squeeze(-1).float()
+        from peft import PeftModel
+
+        # with --use_peft the classifier is a PeftModel: its HF model's layers carry the adapter, `score` is trained
+        hf = self.classifier.get_base_model() if isinstance(self.classifier, PeftModel) else self.classifier
+        hidden = hf.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
+        return hf.score(hidden).squeeze(-1).float()
 
     def save_pretrained(self, path: str, state_dict: dict | None = None, **kwargs) -> None:
         if state_dict is not None:

@@ -134,10 +134,16 @@ class _RecordSampling:
 class HFGenerateBackend:
     """Generation with transformers' `generate` on a plain copy of the policy (see the module docstring)."""
 
+    BUCKET_BYTES = 64 << 20  # weight sync: parameters gathered at a time
+
     def __init__(self, actor, tokenizer, device, dtype: torch.dtype):
-        """`actor`: the unwrapped policy. Its class is called directly on its config: from_config/from_pretrained
-        would build ZeRO-3 shards whenever a ZeRO-3 config is registered with transformers."""
-        self.model = type(actor)(actor.config).to(device=device, dtype=dtype).eval().requires_grad_(False)
+        """`actor`: the unwrapped policy (a LoRA policy's copy is its base model class, the adapter merged in at each
+        sync). The class is called directly on its config: from_config/from_pretrained would build ZeRO-3 shards
+        whenever a ZeRO-3 config is registered with transformers."""
+        from verl_kit.lora import peft_model
+
+        plain = actor.get_base_model() if peft_model(actor) is not None else actor
+        self.model = type(plain)(plain.config).to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.model.config.use_cache = True
         self.tokenizer, self.device = tokenizer, device
         self.load_weights(actor)
@@ -147,14 +153,15 @@ class HFGenerateBackend:
 
     @torch.no_grad()
     def load_weights(self, actor, version: int = 0) -> dict:
-        """Weight sync: copy the (unwrapped) actor's parameters, gathered one at a time under ZeRO-3. Collective:
-        every process calls it, at the same point. `version`: the optimizer step that produced the weights."""
-        from verl_kit.models import gathered_params
+        """Weight sync: copy the (unwrapped) actor's parameters, as the vLLM sync sends them (gathered in buckets
+        under ZeRO-3, a LoRA adapter merged). Collective: every process calls it, at the same point. `version`: the
+        optimizer step that produced the weights."""
+        from verl_kit.weight_sync import gathered_buckets
 
         t0 = time.time()
-        for name, p in actor.named_parameters():
-            with gathered_params(actor, [p]):
-                self.model.get_parameter(name).copy_(p.data)
+        for tensors, _ in gathered_buckets(actor, self.BUCKET_BYTES):
+            for name, t in tensors.items():
+                self.model.get_parameter(name).copy_(t)
         return {"weight_sync/seconds": time.time() - t0, "weight_sync/version": version}
 
     @torch.no_grad()

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from verl_kit import lora
 from verl_kit.models import gathered_params
 
 logger = logging.getLogger(__name__)
@@ -68,11 +69,13 @@ def _nbytes(p: torch.Tensor) -> int:
 
 
 def named_tensors(model) -> list[tuple[list[str], torch.nn.Parameter]]:
-    """Each parameter once, with every name it has in the module tree: a tied output layer is the input embedding
-    under a second name (`lm_head.weight` = `model.embed_tokens.weight`), which `named_parameters()` leaves out."""
+    """Each parameter of the policy once, with every name it has in the module tree: a tied output layer is the input
+    embedding under a second name (`lm_head.weight` = `model.embed_tokens.weight`), which `named_parameters()` leaves
+    out. Of a LoRA policy, the base weights under their plain names; the adapter is merged in by `gathered_buckets`."""
     by_id: dict[int, tuple[list[str], torch.nn.Parameter]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), ([], p))[0].append(name)
+        if not lora.is_adapter_param(name):
+            by_id.setdefault(id(p), ([], p))[0].append(lora.base_name(name))
     return list(by_id.values())
 
 
@@ -92,10 +95,14 @@ def buckets(model, bucket_bytes: int) -> list[list[tuple[list[str], torch.nn.Par
 
 def gathered_buckets(model, bucket_bytes: int) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, str]]]:
     """Yield each bucket as ({engine name: full CPU tensor}, {alias: engine name}); a tied tensor is sent once, its
-    other names ride along as aliases. Collective under ZeRO-3: every process iterates it to the end, in order."""
+    other names ride along as aliases; a LoRA layer's weight is sent merged (W + scale * B @ A, gathered with its A
+    and B). Collective under ZeRO-3: every process iterates it to the end, in order."""
+    adapted = lora.lora_layers(model)
     for bucket in buckets(model, bucket_bytes):
-        with gathered_params(model, [p for _, p in bucket]):
-            tensors = {engine_name(names[0]): p.data.detach().to("cpu", copy=True).contiguous()
+        extra = [q for _, p in bucket if id(p) in adapted for q in lora.adapter_params(adapted[id(p)])]
+        with gathered_params(model, [p for _, p in bucket] + extra):
+            tensors = {engine_name(names[0]): (lora.merged_weight(adapted[id(p)], p.data) if id(p) in adapted
+                                               else p.data).detach().to("cpu", copy=True).contiguous()
                        for names, p in bucket}
         aliases = {engine_name(a): engine_name(names[0]) for names, _ in bucket for a in names[1:]}
         yield tensors, aliases

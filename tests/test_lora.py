@@ -1,0 +1,233 @@
+"""LoRA (`--use_peft`, peft): the adapter merged into the weights the rollout engines get, the base model as the
+reference, every recipe in one process and ZeRO-3 x2, exports peft and vLLM load, SIGKILL + resume bit-identical,
+vLLM weight sync at the fp32 bound on a tied model, and bad input as one line."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, env, launch_cmd, metrics, recipe_cmd, run, run_until
+
+from verl_kit.config import TrainConfig, parse_args
+from verl_kit.errors import UserError
+from verl_kit.lora import reference, with_lora
+from verl_kit.models import load_causal_lm
+from verl_kit.weight_sync import gathered_buckets
+
+LORA = ["--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0"]
+
+
+def lora_cfg(*args):
+    return parse_args(TrainConfig, ["--use_peft", *args])
+
+
+def lora_model(path, *args, seed=0):
+    """The tiny policy with an adapter whose B is random (a fresh adapter adds exactly zero)."""
+    model = with_lora(load_causal_lm(path, "sdpa"), lora_cfg(*args))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+# ---- mechanism, in process ----------------------------------------------------------------------------------------
+
+
+def test_lora_flags_need_use_peft():
+    with pytest.raises(UserError, match=r"^--lora_r is a LoRA flag: add --use_peft"):
+        parse_args(TrainConfig, ["--lora_r", "8"])
+    with pytest.raises(UserError, match="--lora_target_modules is a LoRA flag"):
+        parse_args(TrainConfig, ["--lora_target_modules", "q_proj"])
+    assert parse_args(TrainConfig, ["--use_peft", "--lora_r", "8"]).lora_r == 8
+
+
+def test_target_modules_that_match_nothing(tiny_model_path):
+    with pytest.raises(UserError) as e:
+        with_lora(load_causal_lm(tiny_model_path, "sdpa"), lora_cfg("--lora_target_modules", "qkv,c_attn"))
+    msg = str(e.value)
+    assert "\n" not in msg and "--lora_target_modules qkv,c_attn: matches no module" in msg
+    assert "q_proj" in msg and "down_proj" in msg, msg  # names what the model has
+
+
+def test_default_targets_every_decoder_linear_not_the_output_layer(tiny_model_path):
+    model = with_lora(load_causal_lm(tiny_model_path, "sdpa"), lora_cfg())
+    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in n for n in trained)
+
+
+def test_synced_tensors_are_the_merged_policy(tiny_model_path):
+    """What the weight sync sends (and the HF-generate copy loads): every plain HF name once, the adapter merged. A
+    plain model loaded with it gives the LoRA policy's logits."""
+    model = lora_model(tiny_model_path)
+    sent = {}
+    for tensors, _ in gathered_buckets(model, 1 << 20):
+        sent.update(tensors)
+    plain = load_causal_lm(tiny_model_path, "sdpa").eval()
+    assert set(sent) == set(dict(plain.named_parameters())), set(sent) ^ set(dict(plain.named_parameters()))
+    moved = max(float((sent[n] - p.detach()).abs().max()) for n, p in plain.named_parameters())
+    plain.load_state_dict(sent, strict=False)
+    ids = torch.randint(3, 200, (2, 24))
+    diff = float((logits(plain, ids) - logits(model, ids)).abs().max())
+    assert moved > 1e-3 and diff < 1e-4, (moved, diff)
+
+
+def test_reference_is_the_base_model(tiny_model_path):
+    model = lora_model(tiny_model_path)
+    base = load_causal_lm(tiny_model_path, "sdpa").eval()
+    ids = torch.randint(3, 200, (2, 24))
+    assert float((logits(model, ids) - logits(base, ids)).abs().max()) > 1e-3  # the adapter changes the policy
+    assert torch.allclose(logits(reference(model), ids), logits(base, ids), atol=1e-5)
+
+
+# ---- recipes -------------------------------------------------------------------------------------------------------
+
+QUICK = ["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2"]
+RECIPES = {"dpo.py": [], "kto.py": [], "sft.py": [], "reward_model.py": [],
+           "ppo.py": ["--prompts_per_step", "8"], "grpo.py": ["--prompts_per_step", "8"]}
+
+
+def assert_adapter_export(final: Path, classifier: bool = False):
+    """final/ = the adapter (peft loads it onto the base), final/merged = a full model with the same outputs."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
+    assert not (final / "model.safetensors").exists()
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    base_path = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
+    kwargs = {"num_labels": 1} if classifier else {}
+    adapted = PeftModel.from_pretrained(auto.from_pretrained(base_path, dtype=torch.float32, **kwargs), str(final))
+    merged = auto.from_pretrained(str(final / "merged"), dtype=torch.float32)
+    base = auto.from_pretrained(base_path, dtype=torch.float32, **kwargs)
+    ids = torch.randint(3, 200, (1, 20))
+    out = [logits(m.eval(), ids) for m in (adapted, merged, base)]
+    assert torch.allclose(out[0], out[1], atol=1e-4), float((out[0] - out[1]).abs().max())
+    assert float((out[1] - out[2]).abs().max()) > 1e-6  # the adapter was trained (and exported)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("procs", [1, 2])
+def test_every_recipe_trains_an_adapter(recipe, procs, tmp_path):
+    """One process, and ZeRO-3 over two (base weights and adapter sharded): the run ends with an adapter export that
+    peft loads and a merged model with the same outputs (PPO: the critic has its own adapter and value head)."""
+    out = tmp_path / "o"
+    args = ["--output_dir", str(out), *QUICK, *LORA, "--learning_rate", "1e-2", *RECIPES[recipe]]
+    run(recipe_cmd(recipe, args) if procs == 1 else launch_cmd("zero3.yaml", 2, recipe, args), timeout=600)
+    rows = metrics(out)
+    assert_adapter_export(out / "final", classifier=recipe == "reward_model.py")
+    if recipe == "ppo.py":
+        assert all(r["critic/grad_norm"] > 0 for r in rows if "critic/grad_norm" in r)
+
+
+@pytest.mark.slow
+def test_dpo_lora_zero3_matches_one_process_and_learns(tmp_path):
+    """Same losses on ZeRO-3 x2 (4 pairs per process) as in one process (8 pairs); held-out preference accuracy
+    >= 0.9 on the embedded task."""
+    args = [*LORA, "--max_steps", "12", "--logging_steps", "1", "--eval_steps", "12", "--learning_rate", "2e-3"]
+    run(recipe_cmd("dpo.py", ["--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "8", *args]))
+    run(launch_cmd("zero3.yaml", 2, "dpo.py", ["--output_dir", str(tmp_path / "z3"),
+                                               "--per_device_train_batch_size", "4", *args]), timeout=600)
+    one, z3 = ([r["loss"] for r in metrics(tmp_path / k) if "loss" in r] for k in ("one", "z3"))
+    assert len(one) == len(z3) == 12 and max(abs(a - b) for a, b in zip(one, z3)) < 1e-4, (one, z3)
+    acc = [r["eval/preference_accuracy"] for r in metrics(tmp_path / "one") if "eval/preference_accuracy" in r]
+    print("dpo lora held-out accuracy", acc)
+    assert acc[0] < 0.7 and acc[-1] >= 0.9, acc
+
+
+@pytest.mark.slow
+def test_lora_sigkill_then_resume_is_bit_identical(tmp_path):
+    """Adapter and its AdamW state come back exactly: the resumed run ends with the uninterrupted run's adapter.
+    The checkpoint resumed onto another base model, or with another rank, is refused in one line."""
+    from safetensors.torch import load_file
+
+    from verl_kit.tiny import build_tiny_model
+
+    args = [*LORA, "--max_steps", "30", "--save_steps", "10", "--eval_steps", "30", "--logging_steps", "5",
+            "--learning_rate", "1e-2"]
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    run(recipe_cmd("dpo.py", ["--output_dir", str(full), *args]))
+    run_until(recipe_cmd("dpo.py", ["--output_dir", str(crashed), *args]),
+              done=lambda: (crashed / "checkpoint-10").is_dir())
+    assert not (crashed / "final").exists(), "the run finished before it was killed"
+    other_base = build_tiny_model(str(tmp_path / "other"), tie_word_embeddings=True)
+    for flag, value in (("--model_name_or_path", other_base), ("--lora_r", "4")):
+        p = run(recipe_cmd("dpo.py", ["--output_dir", str(crashed), *args, flag, value, "--resume_from_checkpoint",
+                                      "auto"]), check=False)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode != 0 and f"checkpoint-10: saved with {flag} " in last, p.stderr[-2000:]
+    run(recipe_cmd("dpo.py", ["--output_dir", str(crashed), *args, "--resume_from_checkpoint", "auto"]))
+    a, b = (load_file(str(d / "final" / "adapter_model.safetensors")) for d in (full, crashed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [r["step"] for r in metrics(crashed) if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 30
+
+
+# ---- vLLM: the engine follows the adapter after every sync, and loads the merged export ---------------------------
+
+VLLM_DRIVER = r'''
+import json, sys
+from verl_kit.models import load_tokenizer
+from verl_kit.vllm_rollout import VLLMColocated
+from verl_kit.weight_sync import trainer_logprobs, max_abs_diff
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+import torch
+
+if __name__ == "__main__":
+    final = sys.argv[1]
+    base = json.load(open(final + "/adapter_config.json"))["base_model_name_or_path"]
+    tok = load_tokenizer(final + "/merged")
+    seqs = [tok("Tell me about the sea. It is", add_special_tokens=False).input_ids, list(range(5, 40))]
+    engine = VLLMColocated(final + "/merged", tok, dtype="float32", kv_cache_gib=1, max_num_seqs=8,
+                           probe_prompts=seqs, probe_threshold=float("inf"))
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), final)
+    diff = max_abs_diff(engine.score(seqs), trainer_logprobs(adapted.eval(), seqs))
+    engine.close()
+    print("RESULT " + json.dumps({"diff": diff}), flush=True)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rollout", ["vllm", "vllm-server"])
+def test_grpo_lora_vllm_sync_on_tied_model(rollout, tmp_path):
+    """GRPO with an adapter on a tied-embedding model, a high learning rate: after every sync the engine's log-probs
+    match the trainer's (adapter enabled) within the fp32 bound while the trainer moves; vLLM loads final/merged and
+    scores like peft's adapter on the base."""
+    from verl_kit.tiny import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "tied"), tie_word_embeddings=True)
+    out = tmp_path / "run"
+    t0 = time.time()
+    run(recipe_cmd("grpo.py", [*LORA, "--model_name_or_path", model, "--rollout", rollout,
+                               "--vllm_probe_threshold", "1e-3", "--learning_rate", "1e-2", "--output_dir", str(out),
+                               "--max_steps", "3", "--prompts_per_step", "8", "--logging_steps", "1"]),
+        timeout=500, VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS=2)
+    rows = [r for r in metrics(out) if "rollout/logprob_max_abs_diff" in r]
+    print(f"grpo lora {rollout} {time.time() - t0:.1f}s: "
+          f"{[(r['rollout/logprob_max_abs_diff'], r['rollout/probe_trainer_moved']) for r in rows]}")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 for r in rows), rows
+    assert all(r["rollout/probe_trainer_moved"] > 1e-2 for r in rows), rows  # the adapter moved the policy
+    if rollout == "vllm":
+        script = tmp_path / "driver.py"
+        script.write_text(VLLM_DRIVER)
+        p = subprocess.run([sys.executable, str(script), str(out / "final")], cwd=REPO, capture_output=True,
+                           text=True, timeout=400, env=env(VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS=2),
+                           start_new_session=True)
+        assert p.returncode == 0, p.stderr[-4000:]
+        result = json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+        assert result["diff"] < 1e-3, result

@@ -1,0 +1,149 @@
+"""LoRA through peft, for every recipe (`--use_peft`, TRL ModelConfig's flag names): the one place that knows a model
+may carry an adapter.
+
+with_lora(model, cfg)    the model with a fresh LoRA adapter (peft's get_peft_model), or the model itself
+reference(model)         the base model inside a LoRA policy: the same module called with its adapter disabled, so the
+                         reference costs no second copy of the weights (PPO/GRPO reference log-probs)
+policy_tensors(model)    the policy as a plain HF model names it, for the weight sync and the HF-generate copy: LoRA
+                         layers are merged on the fly (W + scale * B @ A, peft's get_delta_weight), adapter weights
+                         are left out, so the engine gets exactly the trained policy as full weights
+export_adapter(...)      `final/` = the adapter (PeftModel.from_pretrained loads it), `final/merged` = a full HF model
+
+Under ZeRO-3 the frozen base weights stay partitioned like any parameter (1/world per process); only the adapter
+weights have gradients and AdamW state, so the optimizer partitions those only (measured in bench/lora_vs_full.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from verl_kit.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+ADAPTER = "default"  # peft's name for the one adapter a model gets here
+
+
+def check_flags(cfg, defaults) -> None:
+    """LoRA flags only mean something with --use_peft: one line naming the first one set without it."""
+    if getattr(cfg, "use_peft", False):
+        if cfg.lora_r < 1 or cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1:
+            raise UserError(f"--lora_r {cfg.lora_r} / --lora_alpha {cfg.lora_alpha} / --lora_dropout "
+                            f"{cfg.lora_dropout}: need r >= 1, alpha > 0 and 0 <= dropout < 1")
+        return
+    for name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit"):
+        if hasattr(cfg, name) and getattr(cfg, name) != getattr(defaults, name):
+            raise UserError(f"--{name} is a LoRA flag: add --use_peft (or drop --{name})")
+
+
+def _targets(spec: str | None) -> str | list[str]:
+    if spec is None or spec.strip() in ("", "all-linear"):
+        return "all-linear"
+    return [s.strip() for s in spec.split(",") if s.strip()]
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """The distinct last names of the model's linear layers (what --lora_target_modules can name)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+
+
+def with_lora(model: nn.Module, cfg, task_type: str | None = "CAUSAL_LM") -> nn.Module:
+    """`model` with a new LoRA adapter (r, alpha, dropout, target modules from cfg) when `--use_peft`, else `model`.
+    The task type follows from the model, so it is no flag: CAUSAL_LM for a policy, SEQ_CLS for a reward model
+    (peft keeps its `score` head fully trainable, modules_to_save), None for a bare backbone (the PPO critic's)."""
+    if not cfg.use_peft:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                        target_modules=_targets(cfg.lora_target_modules), bias="none",
+                        task_type=task_type)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:
+        if "not found in the base model" not in str(e):
+            raise
+        raise UserError(f"--lora_target_modules {cfg.lora_target_modules}: matches no module of the model; its "
+                        f"linear layers are {', '.join(linear_module_names(model))}") from None
+
+
+def peft_model(model: nn.Module):
+    """The PeftModel in `model` (itself, inside a DDP/DeepSpeed wrapper, or the classifier inside the reward model
+    recipe's TokenRewardModel), or None without an adapter."""
+    return next((m for _, m in _peft_modules(model)), None)
+
+
+def _peft_modules(model: nn.Module):
+    from peft import PeftModel
+
+    return ((name, m) for name, m in getattr(model, "module", model).named_modules() if isinstance(m, PeftModel))
+
+
+class _WithoutAdapter(nn.Module):
+    """Calls a LoRA policy with its adapter disabled: the base model, i.e. the initial policy."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        with peft_model(self.model).disable_adapter():
+            return self.model(*args, **kwargs)
+
+
+def reference(model: nn.Module) -> nn.Module:
+    """The reference model of a LoRA policy (placed: the DeepSpeed/DDP engine or module): the same weights with the
+    adapter disabled. Every process calls it the same number of times (ZeRO-3 gathers shards in forward)."""
+    return _WithoutAdapter(model)
+
+
+def base_name(name: str) -> str:
+    """peft's name of a wrapped layer's own weight -> the plain model's name ('q_proj.base_layer.weight' ->
+    'q_proj.weight')."""
+    return name.replace(".base_layer.", ".")
+
+
+def is_adapter_param(name: str) -> bool:
+    return ".lora_" in name or ".modules_to_save." in name or ".original_module." in name
+
+
+def lora_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """{id(base weight): its LoRA layer} for every LoRA-wrapped layer of a peft model (empty for a plain model)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {id(m.get_base_layer().weight): m for m in model.modules()
+            if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
+
+
+def merged_weight(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """W + scale * B @ A of a LoRA layer whose parameters are gathered (peft's own delta, in W's dtype)."""
+    return weight + layer.get_delta_weight(ADAPTER).to(weight.dtype)
+
+
+def adapter_params(layer: nn.Module) -> list[nn.Parameter]:
+    return [layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight]
+
+
+def export_adapter(unwrapped, state_dict: dict, tokenizer, tmp: str) -> None:
+    """Main process, after the gather (`state_dict`: the full state of `unwrapped`): the adapter into `tmp`
+    (adapter_config.json + adapter_model.safetensors, with a reward model's trained score head), then `tmp/merged`,
+    the base model with the adapter merged by peft (loaded back from `tmp`: the export is what
+    PeftModel.from_pretrained reads)."""
+    from peft import PeftModel
+
+    name, peft = next(_peft_modules(unwrapped))
+    prefix = f"{name}." if name else ""
+    state_dict = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+    peft.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    base = peft.get_base_model()
+    base_path = peft.peft_config[ADAPTER].base_model_name_or_path
+    fresh = type(base).from_pretrained(base_path, config=base.config, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(fresh, tmp).merge_and_unload()
+    merged.save_pretrained(os.path.join(tmp, "merged"), safe_serialization=True)
+    tokenizer.save_pretrained(os.path.join(tmp, "merged"))
+
