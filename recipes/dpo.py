@@ -77,7 +77,8 @@ def main():
     items = lambda exs: [completion_sequences(e.prompt_ids, [e.chosen_ids, e.rejected_ids]) for e in exs]
     lengths = lambda exs: torch.tensor([[len(e.chosen_ids), len(e.rejected_ids)] for e in exs], dtype=torch.float32)
 
-    model = with_lora(load_causal_lm(model_path, cfg.attn_implementation, cfg.gradient_checkpointing), cfg)
+    model = with_lora(load_causal_lm(model_path, cfg.attn_implementation, cfg.gradient_checkpointing,
+                                     cfg.load_in_4bit), cfg)
     block_mask = uses_block_mask(model)
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world  # pairs per optimizer step
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train) / per_step)

@@ -88,7 +88,8 @@ def main():
                        "%d undesirable) is outside [1, 4/3], the range the KTO paper recommends; adjust "
                        "--desirable_weight / --undesirable_weight", balance, n_d, n_u)
 
-    model = with_lora(load_causal_lm(model_path, cfg.attn_implementation, cfg.gradient_checkpointing), cfg)
+    model = with_lora(load_causal_lm(model_path, cfg.attn_implementation, cfg.gradient_checkpointing,
+                                     cfg.load_in_4bit), cfg)
     block_mask = uses_block_mask(model)
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world  # examples per step
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train) / per_step)

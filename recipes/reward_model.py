@@ -60,7 +60,8 @@ def main():
     items = lambda exs: [completion_sequences(e.prompt_ids, [e.chosen_ids, e.rejected_ids]) for e in exs]
     center = cfg.center_rewards_coefficient or 0.0
 
-    model = load_reward_classifier(model_path, pad, cfg.attn_implementation, cfg.gradient_checkpointing)
+    model = load_reward_classifier(model_path, pad, cfg.attn_implementation, cfg.gradient_checkpointing,
+                                   cfg.load_in_4bit)
     model.classifier = with_lora(model.classifier, cfg, task_type="SEQ_CLS")  # --use_peft: adapter, trained head
     block_mask = uses_block_mask(model)
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world  # pairs per optimizer step

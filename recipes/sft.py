@@ -72,7 +72,8 @@ def main():
     items = lambda exs: [([e.input_ids], [e.loss_mask]) for e in exs]  # one scored sequence per example
     learned = lambda exs: sum(sum(e.loss_mask) for e in exs)
 
-    model = with_lora(load_causal_lm(model_path, cfg.attn_implementation, cfg.gradient_checkpointing), cfg)
+    model = with_lora(load_causal_lm(model_path, cfg.attn_implementation, cfg.gradient_checkpointing,
+                                     cfg.load_in_4bit), cfg)
     block_mask = uses_block_mask(model)
     per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world  # sequences per step
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train) / per_step)

@@ -52,6 +52,16 @@ def test_lora_flags_need_use_peft():
     assert parse_args(TrainConfig, ["--use_peft", "--lora_r", "8"]).lora_r == 8
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_4bit_base_is_refused_on_cpu():
+    from verl_kit.config import OfflineConfig
+
+    with pytest.raises(UserError, match=r"^--load_in_4bit needs a GPU: bitsandbytes' CPU 4-bit kernel gives wrong"):
+        parse_args(OfflineConfig, ["--use_peft", "--load_in_4bit"])
+    with pytest.raises(UserError, match="--load_in_4bit is a LoRA flag"):
+        parse_args(OfflineConfig, ["--load_in_4bit"])
+
+
 def test_target_modules_that_match_nothing(tiny_model_path):
     with pytest.raises(UserError) as e:
         with_lora(load_causal_lm(tiny_model_path, "sdpa"), lora_cfg("--lora_target_modules", "qkv,c_attn"))

@@ -77,10 +77,13 @@ class TrainConfig:
 
 @dataclass
 class OfflineConfig(TrainConfig):
-    """Recipes that step through a fixed dataset (DPO, KTO): a step is per_device_train_batch_size x
+    """Recipes that step through a fixed dataset (SFT, RM, DPO, KTO): a step is per_device_train_batch_size x
     gradient_accumulation_steps examples per process."""
 
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
+    load_in_4bit: bool = field(default=False, metadata={
+        "help": "QLoRA (with --use_peft): 4-bit NF4 base weights through bitsandbytes; GPU only, one process or "
+                "DDP (not ZeRO-3); untested in CI (no GPU)"})
 
 
 @dataclass

@@ -29,11 +29,18 @@ ADAPTER = "default"  # peft's name for the one adapter a model gets here
 
 
 def check_flags(cfg, defaults) -> None:
-    """LoRA flags only mean something with --use_peft: one line naming the first one set without it."""
+    """LoRA flags only mean something with --use_peft: one line naming the first one set without it. 4-bit base
+    weights need a GPU: bitsandbytes 0.50.2 does load and train NF4 layers on CPU, but after the first forward in
+    eval mode without gradients (every probe, reference and evaluation pass here) a layer repacks its weight for a
+    CPU kernel that has no backward, and the LoRA gradients come out wrong with only a warning (measured: up to 66%
+    relative error on the tiny model; loss on SmolLM2 14.54 -> 14.39 instead of -> 12.75)."""
     if getattr(cfg, "use_peft", False):
         if cfg.lora_r < 1 or cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1:
             raise UserError(f"--lora_r {cfg.lora_r} / --lora_alpha {cfg.lora_alpha} / --lora_dropout "
                             f"{cfg.lora_dropout}: need r >= 1, alpha > 0 and 0 <= dropout < 1")
+        if getattr(cfg, "load_in_4bit", False) and not torch.cuda.is_available():
+            raise UserError("--load_in_4bit needs a GPU: bitsandbytes' CPU 4-bit kernel gives wrong LoRA gradients "
+                            "after a no-grad forward (see verl_kit/lora.py); drop the flag to train LoRA on CPU")
         return
     for name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit"):
         if hasattr(cfg, name) and getattr(cfg, name) != getattr(defaults, name):
@@ -57,7 +64,16 @@ def with_lora(model: nn.Module, cfg, task_type: str | None = "CAUSAL_LM") -> nn.
     (peft keeps its `score` head fully trainable, modules_to_save), None for a bare backbone (the PPO critic's)."""
     if not cfg.use_peft:
         return model
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(cfg, "load_in_4bit", False):  # QLoRA (GPU only; not run in CI)
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():
+            raise UserError("--load_in_4bit with ZeRO-3: 4-bit weights are not partitioned (transformers skips "
+                            "zero.init for quantized models); use one process, DDP or ZeRO-2")
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
 
     config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                         target_modules=_targets(cfg.lora_target_modules), bias="none",
@@ -130,9 +146,9 @@ def adapter_params(layer: nn.Module) -> list[nn.Parameter]:
 
 def export_adapter(unwrapped, state_dict: dict, tokenizer, tmp: str) -> None:
     """Main process, after the gather (`state_dict`: the full state of `unwrapped`): the adapter into `tmp`
-    (adapter_config.json + adapter_model.safetensors, with a reward model's trained score head), then `tmp/merged`,
-    the base model with the adapter merged by peft (loaded back from `tmp`: the export is what
-    PeftModel.from_pretrained reads)."""
+    (adapter_config.json + adapter_model.safetensors, with a reward model's trained score head), then `tmp/merged`:
+    the base weights of `state_dict` in a plain model, the adapter loaded from `tmp` and merged by peft (so the
+    export is what PeftModel.from_pretrained reads)."""
     from peft import PeftModel
 
     name, peft = next(_peft_modules(unwrapped))
@@ -140,10 +156,21 @@ def export_adapter(unwrapped, state_dict: dict, tokenizer, tmp: str) -> None:
     state_dict = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
     peft.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    base = peft.get_base_model()
-    base_path = peft.peft_config[ADAPTER].base_model_name_or_path
-    fresh = type(base).from_pretrained(base_path, config=base.config, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(fresh, tmp).merge_and_unload()
+    hf = peft.get_base_model()
+    if getattr(hf, "is_quantized", False):
+        logger.warning("4-bit base: no final/merged (merge the adapter onto the full-precision base instead)")
+        return
+    from verl_kit.models import outside_zero3
+
+    with outside_zero3():  # on this process only: not partitioned
+        plain = type(hf)(hf.config).float()
+    base = {base_name(k).removeprefix("base_model.model."): v for k, v in state_dict.items() if not is_adapter_param(k)}
+    missing = plain.load_state_dict(base, strict=False).missing_keys
+    heads = {f"{m}.weight" for m in peft.peft_config[ADAPTER].modules_to_save or ()} | \
+        {f"{m}.bias" for m in peft.peft_config[ADAPTER].modules_to_save or ()}
+    tied = {"lm_head.weight"} if getattr(hf.config, "tie_word_embeddings", False) else set()
+    if set(missing) - heads - tied:
+        raise RuntimeError(f"LoRA export: base weights missing from the gathered state: {sorted(missing)[:5]}")
+    merged = PeftModel.from_pretrained(plain, tmp).merge_and_unload()
     merged.save_pretrained(os.path.join(tmp, "merged"), safe_serialization=True)
     tokenizer.save_pretrained(os.path.join(tmp, "merged"))
-

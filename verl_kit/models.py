@@ -87,16 +87,32 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def load_causal_lm(path: str, attn_implementation: str | None = None, gradient_checkpointing: bool = False):
-    """fp32 weights (DeepSpeed/autocast handle bf16 on GPU); gradient checkpointing without reentrancy."""
+def load_causal_lm(path: str, attn_implementation: str | None = None, gradient_checkpointing: bool = False,
+                   load_in_4bit: bool = False):
+    """fp32 weights (DeepSpeed/autocast handle bf16 on GPU); gradient checkpointing without reentrancy.
+    `load_in_4bit`: NF4 base weights for QLoRA (verl_kit.lora; GPU only)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation or default_attn_implementation())
+        path, dtype=torch.float32, attn_implementation=attn_implementation or default_attn_implementation(),
+        **quantized(load_in_4bit))
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def quantized(load_in_4bit: bool) -> dict:
+    """from_pretrained kwargs for QLoRA's 4-bit NF4 base weights (bf16 compute and storage, so ZeRO-2/DDP see one
+    dtype); nothing without the flag."""
+    if not load_in_4bit:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    return {"quantization_config": BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16),
+        "device_map": {"": torch.cuda.current_device()}}
 
 
 def uses_block_mask(model) -> bool:
@@ -122,6 +138,22 @@ def export_hf(accelerator, model, tokenizer, out_dir: str) -> None:
         shutil.rmtree(out_dir, ignore_errors=True)
         os.rename(tmp, out_dir)
     accelerator.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def outside_zero3():
+    """Build a model on one process of a ZeRO-3 run: transformers would partition it at construction (zero.Init, a
+    collective that the other processes never join). A no-op outside ZeRO-3."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    config = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if config is not None:
+            hf_deepspeed.set_hf_deepspeed_config(config)
 
 
 @contextlib.contextmanager

@@ -73,20 +73,20 @@ class TokenRewardModel(nn.Module):
 
 
 def load_reward_classifier(path: str, pad_id: int, attn_implementation: str | None = None,
-                           gradient_checkpointing: bool = False) -> TokenRewardModel:
+                           gradient_checkpointing: bool = False, load_in_4bit: bool = False) -> TokenRewardModel:
     """AutoModelForSequenceClassification with one label (a fresh `score` head on a causal LM checkpoint), fp32, its
     config's pad_token_id set so that HF's forward, and PPO's RewardModel, find the last real token."""
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from verl_kit.models import default_attn_implementation
+    from verl_kit.models import default_attn_implementation, quantized
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the load report lists the dropped lm_head and the new score head
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=torch.float32,
-            attn_implementation=attn_implementation or default_attn_implementation())
+            attn_implementation=attn_implementation or default_attn_implementation(), **quantized(load_in_4bit))
     finally:
         hf_logging.set_verbosity(verbosity)
     model.config.pad_token_id = pad_id
