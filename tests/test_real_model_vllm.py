@@ -17,7 +17,8 @@ ARGS = ["--model_name_or_path", "smollm2-135m", "--max_steps", "3", "--prompts_p
 
 
 @pytest.mark.parametrize("rollout, lora", [("vllm", []), ("vllm-server", []),
-                                           ("vllm", ["--use_peft", "--lora_r", "8", "--learning_rate", "2e-3"])])
+                                           ("vllm", ["--use_peft", "--lora_r", "8", "--learning_rate", "2e-3"])],
+                         ids=["vllm", "vllm-server", "vllm-lora"])
 def test_grpo_real_model_probe_after_every_sync(tmp_path, rollout, lora):
     reward = tmp_path / "reward.py"  # a reward that differs within every group, so every update has a gradient
     reward.write_text("def longer(prompts, completions):\n    return [len(c) / 40 for c in completions]\n")
