@@ -105,6 +105,14 @@ def write_preference_data(path: Path, tokenizer, n: int, seed: int = 0, prompt_m
             "max_tokens": lengths[-1]}
 
 
+def recipe_order(n_rows: int, steps: int, batch: int, seed: int) -> list[list[int]]:
+    """Row indices of each step as a recipe run in one process reads them (verl_kit.distributed.step_indices): a peer
+    reading, sequentially, the rows written in this order sees the same batches in the same order."""
+    from verl_kit.distributed import step_indices
+
+    return [step_indices(n_rows, s, batch, seed, 0, 1) for s in range(steps)]
+
+
 def run(cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = None, prefix: str = "",
         on_line=None) -> float:
     """Run `cmd`, streaming its output (prefixed) to our stdout and to `log_path`; returns the wall time.

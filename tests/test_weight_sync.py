@@ -142,6 +142,66 @@ def test_server_sync_matches_trainer(layout, models):
     assert_synced(out)
 
 
+def test_same_host_transport(models, tmp_path, monkeypatch):
+    """A server on a loopback URL gets each bucket as a file in the kit's shm folder (only its reference crosses the
+    HTTP RPC): the sync is exact like the inline one (~1e-6), each bucket's file is gone once staged, and the worker
+    refuses references that name any other file (the endpoint takes them from HTTP clients): a file outside the
+    folder, one inside it under another name, a link named like a bucket, a path with '..'. Then the inline path
+    (VERL_KIT_WEIGHT_SYNC=inline) on the same engine, exact too."""
+    import os
+
+    import requests
+
+    from verl_kit import weight_sync
+    from verl_kit.models import load_causal_lm, load_tokenizer
+    from verl_kit.vllm_rollout import VLLMServer
+    from verl_kit.vllm_server import ServerProcess, is_loopback_url
+
+    assert is_loopback_url("http://127.0.0.1:8000") and is_loopback_url("http://localhost:1")
+    assert not is_loopback_url("http://10.0.0.2:8000") and not is_loopback_url("http://example.org")
+    sent = []
+    encode = weight_sync.encode
+    monkeypatch.setattr(weight_sync, "encode", lambda *a: sent.append(encode(*a)) or sent[-1])
+    path = models["untied"]
+    tok = load_tokenizer(path)
+    prompts = probe_prompts(tok)
+    model = load_causal_lm(path, "sdpa")
+    with ServerProcess(path, startup_timeout_s=400, **ENGINE) as server:
+        client = VLLMServer(server.url, tok, bucket_mb=0.05, probe_prompts=prompts, probe_threshold=float("inf"),
+                            request_timeout_s=120)
+        out = sync_check(client, model, tok, prompts)
+        assert_synced(out)
+        assert len(sent) > 1 and all(b.startswith(weight_sync.SHM_PREFIX) for b in sent), sent[:2]
+        files = [json.loads(b[len(weight_sync.SHM_PREFIX):])[0] for b in sent]
+        assert all(os.path.dirname(f) == weight_sync.shm_dir() and not os.path.exists(f) for f in files), files
+
+        folder = weight_sync.shm_dir()
+        outside = tmp_path / f"{'a' * 32}.safetensors"
+        outside.write_bytes(b"x" * 64)
+        inside = os.path.join(folder, "decoy.safetensors")
+        link = os.path.join(folder, f"{'b' * 32}.safetensors")
+        open(inside, "wb").write(b"x" * 64)
+        os.symlink(outside, link)
+        try:
+            for ref in (str(outside), inside, link, os.path.join(folder, "..", os.path.basename(folder),
+                                                                 f"{'c' * 32}.safetensors"), "/etc/hostname"):
+                blob = weight_sync.SHM_PREFIX + json.dumps([ref, "0" * 32])
+                r = requests.post(server.url + "/collective_rpc", json={"method": "verl_kit_stage", "args": [blob]},
+                                  timeout=60)
+                assert r.status_code >= 400, (ref, r.status_code, r.text[:300])
+            assert outside.exists() and os.path.exists(inside) and os.path.islink(link)  # nothing read or deleted
+        finally:
+            os.unlink(inside)
+            os.unlink(link)
+
+        sent.clear()
+        monkeypatch.setenv("VERL_KIT_WEIGHT_SYNC", "inline")
+        out = sync_check(client, model, tok, prompts)
+        assert_synced(out)
+        assert sent and not any(b.startswith(weight_sync.SHM_PREFIX) for b in sent)
+    print(f"same-host transport: {out}")
+
+
 def test_grpo_zero3_tied_model_with_vllm(models, tmp_path):
     """2 processes, ZeRO-3 (the tied embedding is one sharded parameter), a colocated engine in each, a high learning
     rate: every sync's probe (logged as rollout/logprob_max_abs_diff) stays below 1e-3; the run stops (the backend's

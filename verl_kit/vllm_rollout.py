@@ -27,8 +27,8 @@ import torch
 
 from verl_kit.errors import UserError
 from verl_kit.rollout import Rollout, SamplingParams
-from verl_kit.vllm_server import auth_headers
-from verl_kit.weight_sync import WORKER_EXTENSION, max_abs_diff, sync_weights, trainer_logprobs
+from verl_kit.vllm_server import auth_headers, is_loopback_url
+from verl_kit.weight_sync import WORKER_EXTENSION, discard, inline, max_abs_diff, sync_weights, trainer_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +37,18 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def _cpu_env(kv_cache_gib: float) -> None:
-    """vLLM's CPU settings are environment variables, read when the engine starts."""
+def _cpu_env(kv_cache_gib: float, threads: int | None = None) -> None:
+    """vLLM's CPU settings are environment variables, read when the engine starts. `threads`: the worker computes
+    with that many OpenMP threads, bound to the first `threads` cores this process may use. None keeps vLLM's own
+    binding (VLLM_CPU_OMP_THREADS_BIND=auto, or what the user set): every core but one, which it reserves for the
+    engine core's scheduling loop; so on 2 cores the model runs on one, whatever torch uses in this process."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    if threads is not None:
+        cores = sorted(os.sched_getaffinity(0))
+        if not 1 <= threads <= len(cores):
+            raise UserError(f"vLLM cpu_threads={threads}: this process may use {len(cores)} cores")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[:threads]))
 
 
 def vllm_sampling(params: SamplingParams):
@@ -156,12 +164,14 @@ class VLLMColocated(_Checked):
                  max_num_seqs: int = 256, max_model_len: int | None = None, gpu_memory_utilization: float = 0.3,
                  enable_sleep_mode: bool = False, kv_cache_gib: int = 1, seed: int = 0, bucket_mb: float = 256,
                  sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
-                 probe_threshold: float | None = None, enforce_eager: bool | None = None):
+                 probe_threshold: float | None = None, enforce_eager: bool | None = None,
+                 cpu_threads: int | None = None):
+        """`cpu_threads` (CPU only): compute threads of the engine's worker (see `_cpu_env`); None: vLLM's binding."""
         import vllm
 
         gpu = _on_gpu()
         if not gpu:
-            _cpu_env(kv_cache_gib)
+            _cpu_env(kv_cache_gib, cpu_threads)
         self.sleep = enable_sleep_mode and gpu
         if enable_sleep_mode and not gpu:
             logger.warning("vLLM sleep mode is not supported on CPU: ignored")
@@ -183,7 +193,11 @@ class VLLMColocated(_Checked):
         self.probe = Probe(probe_prompts, probe_threshold or default_probe_threshold(dtype)) if probe_prompts else None
 
     def _push(self, blob: str, seconds: float) -> None:
-        self.llm.collective_rpc("verl_kit_stage", timeout=seconds, args=(blob,))
+        """The engine's workers are processes of this host: a same-host bucket goes as its file's reference."""
+        try:
+            self.llm.collective_rpc("verl_kit_stage", timeout=seconds, args=(blob,))
+        finally:
+            discard(blob)
 
     def _commit(self, seconds: float) -> None:
         if self.sleep:
@@ -288,7 +302,12 @@ class VLLMServer(_Checked):
         return self._request("POST", "/collective_rpc", body, seconds)
 
     def _push(self, blob: str, seconds: float) -> None:
-        self._rpc("verl_kit_stage", [blob], seconds)
+        """A server on a loopback URL runs on this host and reads a same-host bucket's file; any other gets the
+        bucket inline (base64 in the JSON body)."""
+        try:
+            self._rpc("verl_kit_stage", [blob if is_loopback_url(self.url) else inline(blob)], seconds)
+        finally:
+            discard(blob)
 
     def _commit(self, seconds: float) -> None:
         self._rpc("verl_kit_commit", [], seconds)

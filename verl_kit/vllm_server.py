@@ -37,6 +37,19 @@ def free_port() -> int:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def is_loopback_url(url: str) -> bool:
+    """A server URL on this host's loopback (the server then shares this host's /dev/shm: weight buckets go as
+    files, verl_kit.weight_sync.encode)."""
+    import ipaddress
+    from urllib.parse import urlparse
+
+    host = urlparse(url).hostname or ""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def api_key() -> str | None:
     """The key a server started by the kit requires and the kit's client sends (VLLM_API_KEY, as vLLM reads it)."""
     return os.environ.get("VLLM_API_KEY") or None
