@@ -5,6 +5,7 @@ penalty in the loss; no critic. Rollouts from HF generate or vLLM, packed token-
     python recipes/grpo.py                                  # one process, embedded tiny model and task
     python recipes/grpo.py --config recipes/configs/grpo_tiny.yaml
     python recipes/grpo.py --rollout vllm                   # a vLLM engine in the process generates
+    python recipes/grpo.py --rollout vllm --async_rollout   # ... the next batch while the trainer updates
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/grpo.py
     make cluster-run RECIPE=recipes/grpo.py CONFIG=recipes/configs/grpo_tiny.yaml NODES=2
 
@@ -22,6 +23,7 @@ import torch
 
 from verl_kit.actor_critic import ResponsePacker, actor_logits
 from verl_kit.advantages import group_advantages, kl_estimate
+from verl_kit.async_rollout import Rollouts, step_seed
 from verl_kit.checkpoint import resume, save_if_due
 from verl_kit.config import OnlineConfig, parse_args
 from verl_kit.distributed import (
@@ -38,6 +40,7 @@ from verl_kit.errors import UserError, main_guard
 from verl_kit.lora import reference, with_lora
 from verl_kit.metrics import MetricsLogger, Timer, logger
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path
+from verl_kit.off_policy import importance_weights, mismatch_metrics, step_metrics
 from verl_kit.packing import logprobs_from_logits
 from verl_kit.ppo_losses import entropy_from_logits, loss_weights, policy_clipped, policy_loss
 from verl_kit.rewards import make_rewards
@@ -95,15 +98,25 @@ def main():
                                   train.ids[:cfg.vllm_probe_size])  # HF generate, vLLM engine or vLLM server
     sampling = cfg.sampling()
 
-    start = resume(accelerator, cfg)
-    rollout_engine.load_weights(actor.unwrapped(), version=start)  # weight sync: the rollout copy = the actor
+    def seed(step: int) -> int | None:  # the colocated engine seeds every sample: a resumed run draws the same ones
+        return step_seed(cfg.seed, step, rank) if cfg.rollout == "vllm" else None
+
+    def request(step: int):  # what a step generates on this process
+        idx = step_indices(len(train.ids), step, cfg.prompts_per_step, cfg.seed, rank, world)
+        return [train.ids[i] for i in idx], replace(sampling, seed=seed(step))
+
+    # synchronous, or (--async_rollout) the next batches generated while this one trains
+    rollouts = Rollouts(rollout_engine, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
+                        cfg.rollout_timeout_s)
+    start = resume(accelerator, cfg, per_rank=rollouts)  # with batches generated ahead and not yet trained on
+    rollouts.load_weights(actor.unwrapped(), version=start)  # weight sync: the rollout copy = the actor
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
     def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
         return reward.of_rollout(rows, ro, tokenizer)
 
     def evaluate_held_out() -> dict:  # one response per held-out prompt, same rewards, no KL term
-        return evaluate(accelerator, rollout_engine, test.ids, test.rows, replace(sampling, n=1), score,
+        return evaluate(accelerator, rollouts, test.ids, test.rows, replace(sampling, n=1, seed=seed(-1)), score,
                         cfg.prompts_per_step // world)
 
     if start == 0 and test.ids:
@@ -114,8 +127,8 @@ def main():
         timer, t_step = Timer(), time.time()
         # 1. rollout: num_generations responses per prompt, a prompt's group on one process
         idx = step_indices(len(train.ids), step, cfg.prompts_per_step, cfg.seed, rank, world)
-        with timer("gen"):
-            ro = rollout_engine.generate([train.ids[i] for i in idx], sampling)
+        with timer("gen"):  # with --async_rollout: the wait for a batch generated during the previous update
+            ro, staleness = rollouts.get(step)
         mask, B = ro.response_mask, ro.response_mask.shape[0]
 
         # 2. rewards and group-relative advantages (B,)
@@ -149,6 +162,13 @@ def main():
                         old = logprobs.detach() if one_update else old_logprobs[ix.row, ix.pos].to(device)
                         adv = advantages[ix.row].to(device)  # a response's advantage on each of its tokens
                         loss = policy_loss(logprobs, old, adv, cfg.cliprange)
+                        if cfg.importance_sampling:  # the engine's samples come from mu, not pi_old: reweight
+                            is_args = (old, ro.sampling_logprobs[ix.row, ix.pos].to(device), ix.row.to(device), B,
+                                       cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_max,
+                                       cfg.vllm_importance_sampling_clip_min)
+                            loss = loss * importance_weights(*is_args)
+                            if it == 0:
+                                tally.add(**mismatch_metrics(*is_args))
                         kl = (kl_estimate(logprobs, ref_logprobs[ix.row, ix.pos].to(device), "k3") if ref is not None
                               else torch.zeros_like(logprobs))
                         # this micro-batch's share of the minibatch loss on all ranks (ppo_losses.loss_weights)
@@ -163,7 +183,7 @@ def main():
                     grad_norms.append(actor.step(schedule=last_update))
 
         # 5. weight sync: the rollout engine generates with the updated actor from the next step on
-        sync_metrics = rollout_engine.load_weights(actor.unwrapped(), version=step + 1)
+        sync_metrics = rollouts.load_weights(actor.unwrapped(), version=step + 1)
 
         # ---- metrics, checkpoint -------------------------------------------------------------------------------
         tally.add(flat_groups=scores.view(-1, cfg.num_generations).std(-1) == 0, groups=B / cfg.num_generations)
@@ -174,6 +194,7 @@ def main():
                    "kl": t["kl"] / t["tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    "actor/grad_norm": sum(grad_norms) / len(grad_norms), "learning_rate": actor.learning_rate,
+                   "rollout/staleness": staleness, **step_metrics(t),
                    **timer.seconds, **sync_metrics}
         log.advance(reward=metrics["reward/mean"])
         do_eval = test.ids and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)
@@ -182,9 +203,9 @@ def main():
         if (step + 1) % cfg.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
             log.log(step + 1, metrics)
             log.log_samples(sample_rows(step + 1, rows, ro, scores, tokenizer))
-        save_if_due(accelerator, cfg, step + 1)
+        save_if_due(accelerator, cfg, step + 1, per_rank=rollouts)
 
-    rollout_engine.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
+    rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
     export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.output_dir, "final"))
     log.close(["reward/mean", "eval/reward_mean", "kl", "actor/entropy", "response_length/mean"])
     destroy()

@@ -36,6 +36,7 @@ from verl_kit.advantages import (
     token_rewards,
     whiten,
 )
+from verl_kit.async_rollout import Rollouts, step_seed
 from verl_kit.checkpoint import resume, save_if_due
 from verl_kit.config import OnlineConfig, parse_args
 from verl_kit.distributed import (
@@ -52,6 +53,7 @@ from verl_kit.errors import UserError, main_guard
 from verl_kit.lora import reference, with_lora
 from verl_kit.metrics import MetricsLogger, Timer
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path
+from verl_kit.off_policy import importance_weights, mismatch_metrics, step_metrics
 from verl_kit.packing import logprobs_from_logits
 from verl_kit.ppo_losses import (
     entropy_from_logits,
@@ -121,15 +123,25 @@ def main():
                                   train.ids[:cfg.vllm_probe_size])  # HF generate, vLLM engine or vLLM server
     sampling = cfg.sampling()
 
-    start = resume(accelerator, cfg)
-    rollout_engine.load_weights(actor.unwrapped(), version=start)  # weight sync: the rollout copy = the actor
+    def seed(step: int) -> int | None:  # the colocated engine seeds every sample: a resumed run draws the same ones
+        return step_seed(cfg.seed, step, rank) if cfg.rollout == "vllm" else None
+
+    def request(step: int):  # what a step generates on this process
+        idx = step_indices(len(train.ids), step, cfg.prompts_per_step, cfg.seed, rank, world)
+        return [train.ids[i] for i in idx], replace(sampling, seed=seed(step))
+
+    # synchronous, or (--async_rollout) the next batches generated while this one trains
+    rollouts = Rollouts(rollout_engine, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
+                        cfg.rollout_timeout_s)
+    start = resume(accelerator, cfg, per_rank=rollouts)  # with batches generated ahead and not yet trained on
+    rollouts.load_weights(actor.unwrapped(), version=start)  # weight sync: the rollout copy = the actor
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
     def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
         return reward.of_rollout(rows, ro, tokenizer)
 
     def evaluate_held_out() -> dict:  # one response per held-out prompt, same rewards, no KL term
-        return evaluate(accelerator, rollout_engine, test.ids, test.rows, replace(sampling, n=1), score,
+        return evaluate(accelerator, rollouts, test.ids, test.rows, replace(sampling, n=1, seed=seed(-1)), score,
                         cfg.prompts_per_step // world)
 
     if start == 0 and test.ids:
@@ -140,8 +152,8 @@ def main():
         timer, t_step = Timer(), time.time()
         # 1. rollout
         idx = step_indices(len(train.ids), step, cfg.prompts_per_step, cfg.seed, rank, world)
-        with timer("gen"):
-            ro = rollout_engine.generate([train.ids[i] for i in idx], sampling)
+        with timer("gen"):  # with --async_rollout: the wait for a batch generated during the previous update
+            ro, staleness = rollouts.get(step)
         mask, B = ro.response_mask, ro.response_mask.shape[0]
 
         # 2. rewards: sequence scores (B,)
@@ -185,6 +197,13 @@ def main():
                         logprobs = logprobs_from_logits(logits, ix.targets.to(device))
                         old, adv = old_logprobs[ix.row, ix.pos].to(device), advantages[ix.row, ix.pos].to(device)
                         pg = policy_loss(logprobs, old, adv, cfg.cliprange)
+                        if cfg.importance_sampling:  # the engine's samples come from mu, not pi_old: reweight
+                            is_args = (old, ro.sampling_logprobs[ix.row, ix.pos].to(device), ix.row.to(device), B,
+                                       cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_max,
+                                       cfg.vllm_importance_sampling_clip_min)
+                            pg = pg * importance_weights(*is_args)
+                            if epoch == 0:
+                                tally.add(**mismatch_metrics(*is_args))
                         entropy = entropy_from_logits(logits)
                         # token mean over the minibatch on all ranks (see ppo_losses.token_mean_share)
                         actor.backward(token_mean_share(pg - cfg.ent_coef * entropy, n_tok, world))
@@ -204,7 +223,7 @@ def main():
                     grad_norms["critic"].append(critic.step(schedule=last_update))
 
         # 6. weight sync: the rollout engine generates with the updated actor from the next step on
-        sync_metrics = rollout_engine.load_weights(actor.unwrapped(), version=step + 1)
+        sync_metrics = rollouts.load_weights(actor.unwrapped(), version=step + 1)
 
         # ---- metrics, KL controller, checkpoint ----------------------------------------------------------------
         tally.add(kl=kl, responses=B, **masked_moments(returns - old_values, mask, "resid_"),
@@ -221,6 +240,7 @@ def main():
                    "critic/explained_var": 1.0 - masked_variance(t, "resid_") / max(masked_variance(t, "ret_"), 1e-8),
                    "critic/grad_norm": sum(grad_norms["critic"]) / len(grad_norms["critic"]),
                    **rollout_metrics(ro, scores, timer.seconds["timing_s/step"]),
+                   "rollout/staleness": staleness, **step_metrics(t),
                    "learning_rate": actor.learning_rate, **timer.seconds, **sync_metrics}
         log.advance(reward=metrics["reward/mean"])
         do_eval = test.ids and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)
@@ -229,9 +249,9 @@ def main():
         if (step + 1) % cfg.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
             log.log(step + 1, metrics)
             log.log_samples(sample_rows(step + 1, rows, ro, scores, tokenizer))
-        save_if_due(accelerator, cfg, step + 1)
+        save_if_due(accelerator, cfg, step + 1, per_rank=rollouts)
 
-    rollout_engine.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
+    rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
     export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.output_dir, "final"))
     log.close(["reward/mean", "eval/reward_mean", "kl", "actor/entropy", "critic/explained_var",
                "response_length/mean"])

@@ -47,14 +47,20 @@ def resolve_resume(output_dir: str, resume: str | None) -> str | None:
     return resume
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: dict) -> str:
-    """Checkpoint `step` (`model`: the MODEL_FLAGS values, checked on resume), keeping the last `keep`."""
+def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: dict, per_rank=None) -> str:
+    """Checkpoint `step` (`model`: the MODEL_FLAGS values, checked on resume), keeping the last `keep`. `per_rank`:
+    an object with state_dict()/load_state_dict() whose state differs between processes (saved by each, as
+    rank-<i>.pt; accelerate's custom objects are saved by the main process only)."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(tmp)
+    if per_rank is not None:
+        import torch
+
+        torch.save(per_rank.state_dict(), os.path.join(tmp, f"rank-{accelerator.process_index}.pt"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
@@ -68,7 +74,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: d
     return final
 
 
-def load_checkpoint(accelerator, path: str, model: dict) -> dict:
+def load_checkpoint(accelerator, path: str, model: dict, per_rank=None) -> dict:
     """Restore model, optimizer, scheduler and RNG; returns the trainer state (step, ...). Refuses, before loading
     anything, a checkpoint of another model (`model`: this run's MODEL_FLAGS values)."""
     with open(os.path.join(path, STATE_FILE)) as f:
@@ -78,21 +84,27 @@ def load_checkpoint(accelerator, path: str, model: dict) -> dict:
             raise UserError(f"--resume_from_checkpoint {path}: saved with --{flag} {value}, this run has --{flag} "
                             f"{model.get(flag)}")
     accelerator.load_state(path)
+    rank_file = os.path.join(path, f"rank-{accelerator.process_index}.pt")
+    if per_rank is not None and os.path.isfile(rank_file):
+        import torch
+
+        per_rank.load_state_dict(torch.load(rank_file))
     logger.info("resumed from %s at step %d", path, state["step"])
     return state
 
 
-def resume(accelerator, cfg) -> int:
+def resume(accelerator, cfg, per_rank=None) -> int:
     """`--resume_from_checkpoint` ('auto' or a path; TrainConfig fields): restore every prepared model, optimizer,
-    scheduler and RNG from it. Returns the step to continue from, 0 when there is nothing to resume."""
+    scheduler and RNG from it (and `per_rank`'s state: save_checkpoint). Returns the step to continue from, 0 when
+    there is nothing to resume."""
     path = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
-    return load_checkpoint(accelerator, path, model_flags(cfg))["step"] if path else 0
+    return load_checkpoint(accelerator, path, model_flags(cfg), per_rank)["step"] if path else 0
 
 
-def save_if_due(accelerator, cfg, step: int) -> None:
+def save_if_due(accelerator, cfg, step: int, per_rank=None) -> None:
     """Checkpoint after optimizer step `step` every `--save_steps` (0: never), keeping `--save_total_limit`."""
     if cfg.save_steps and step % cfg.save_steps == 0:
-        save_checkpoint(accelerator, cfg.output_dir, step, cfg.save_total_limit, model_flags(cfg))
+        save_checkpoint(accelerator, cfg.output_dir, step, cfg.save_total_limit, model_flags(cfg), per_rank)
 
 
 def model_flags(cfg) -> dict:

@@ -119,7 +119,9 @@ class OnlineConfig(TrainConfig, RolloutConfig):
     A step is `prompts_per_step` prompts over all processes; its updates are split by the recipe's own minibatch
     flags, and each minibatch into micro-batches of per_device_train_batch_size rows (or a token budget)."""
 
-    CHOICES: ClassVar[dict] = {"old_logprobs": ("recompute", "rollout")}
+    CHOICES: ClassVar[dict] = {"old_logprobs": ("recompute", "rollout"),
+                               "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate",
+                                                                 "sequence_mask")}
 
     prompts_per_step: int = field(default=32, metadata={"help": "prompts per step over all processes"})
     num_generations: int = field(default=2, metadata={"help": "responses sampled per prompt"})
@@ -138,13 +140,53 @@ class OnlineConfig(TrainConfig, RolloutConfig):
     old_logprobs: str = field(default="recompute", metadata={
         "help": "recompute: an actor forward before the update; rollout: the sampling log-probs (as TRL's PPOTrainer)"
                 "; only used when a rollout is updated on more than once"})
+    async_rollout: bool = field(default=False, metadata={
+        "help": "generate the next steps' rollouts while the trainer updates (vLLM backends; see "
+                "verl_kit.async_rollout): the batch of step t comes from the policy of step t - max_staleness"})
+    max_staleness: int = field(default=1, metadata={
+        "help": "--async_rollout: steps the rollouts run ahead of the trainer (1: one-step-off; 0: no overlap)"})
+    rollout_timeout_s: float = field(default=1800, metadata={
+        "help": "--async_rollout: seconds to wait for a batch's generation before the run fails"})
+    vllm_importance_sampling_correction: bool = field(default=True, metadata={
+        "help": "vLLM backends: weight the policy loss by the trainer's old log-probs over the engine's sampling "
+                "log-probs (truncated importance sampling, verl_kit.off_policy; TRL's flag)"})
+    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={
+        "help": "token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's names and default)"})
+    vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata={
+        "help": "importance weights above this are clamped (*_truncate) or zeroed (*_mask)"})
+    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={
+        "help": "importance weights below this are clamped (*_truncate) or zeroed (*_mask)"})
 
     def check(self, world: int) -> None:
         """One-line UserErrors for the online flags (after parsing; `world` = number of processes)."""
         if self.old_logprobs == "rollout" and (self.top_p < 1.0 or self.top_k > 0):  # truncated != the policy
             raise UserError("--old_logprobs rollout needs --top_p 1.0 and --top_k 0 (else sampling log-probs differ)")
+        if self.async_rollout and self.rollout == "hf":
+            raise UserError("--async_rollout needs --rollout vllm or vllm-server (HF generate shares the trainer's "
+                            "process and cores)")
+        if self.async_rollout and self.vllm_enable_sleep_mode:
+            raise UserError("--async_rollout keeps the engine generating during the update: it cannot sleep "
+                            "(--vllm_enable_sleep_mode)")
+        if self.max_staleness < 0:
+            raise UserError(f"--max_staleness {self.max_staleness}: use >= 0")
+        if self.importance_sampling and (self.top_p < 1.0 or self.top_k > 0):
+            raise UserError("--vllm_importance_sampling_correction needs --top_p 1.0 and --top_k 0 (the trainer's "
+                            "log-probs are of the untruncated policy); or set it false")
+        if self.importance_sampling:
+            from verl_kit.off_policy import check_args
+
+            try:
+                check_args(self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_max,
+                           self.vllm_importance_sampling_clip_min)
+            except ValueError as e:
+                raise UserError(f"--{e}") from None
         if self.prompts_per_step % world:
             raise UserError(f"--prompts_per_step {self.prompts_per_step} must be a multiple of the {world} processes")
+
+    @property
+    def importance_sampling(self) -> bool:
+        """The correction applies: samples from a vLLM engine (HF generate samples with the trainer's own numerics)."""
+        return self.vllm_importance_sampling_correction and self.rollout != "hf"
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_completion_length,

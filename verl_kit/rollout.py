@@ -14,7 +14,7 @@ are gathered once per update, parameter by parameter (`load_weights`), and gener
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -198,7 +198,8 @@ def evaluate(accelerator, engine, prompts: list[list[int]], raw_prompts: list, p
              batch_size: int) -> dict:
     """Mean score of the responses to held-out prompts (`score(raw_prompts, rollout) -> (B,)`, no KL term), the
     prompts sharded over processes, `batch_size` per generate call. Every process makes the same calls (ZeRO-3
-    lockstep). The torch RNG is forked, so a run samples the same training rollouts with or without evaluation."""
+    lockstep). The torch RNG is forked, so a run samples the same training rollouts with or without evaluation. With
+    `params.seed`, every response gets its own seed (the seed plus its prompt's position)."""
     from verl_kit.distributed import Tally, shard
     from verl_kit.metrics import progress
 
@@ -209,7 +210,9 @@ def evaluate(accelerator, engine, prompts: list[list[int]], raw_prompts: list, p
     with torch.random.fork_rng():
         for i in progress(starts, "eval", len(starts), accelerator.is_main_process):
             idx = mine[i:i + batch_size]
-            ro = engine.generate([prompts[j] for j in idx], params)
+            first = (rank + world * i) * params.n  # this batch's first response, over all processes
+            ro = engine.generate([prompts[j] for j in idx],
+                                 params if params.seed is None else replace(params, seed=params.seed + first))
             scores = score([raw_prompts[j] for j in idx for _ in range(params.n)], ro).view(len(idx), params.n)
             real = torch.tensor([rank + world * (i + k) < n for k in range(len(idx))])  # not shard()'s wrap-around
             tally.add(responses=float(real.sum()) * params.n, score=scores[real],

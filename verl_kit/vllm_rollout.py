@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -216,10 +217,17 @@ class VLLMColocated(_Checked):
         return outs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
-        outs = self._run(prompts, vllm_sampling(params))
+        """With `params.seed`, sample i (of len(prompts) * n) draws from its own generator seeded seed + i: the
+        samples then depend only on the seed, not on what the engine generated before (a resumed run regenerates
+        them exactly) nor on how the engine batches them."""
+        prompts_n = [p for p in prompts for _ in range(params.n)]
+        if params.seed is None:
+            outs = self._run(prompts, vllm_sampling(params))
+        else:
+            outs = self._run(prompts_n, [vllm_sampling(replace(params, n=1, seed=params.seed + i))
+                                         for i in range(len(prompts_n))])
         completions = [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
                         c.finish_reason == "length") for o in outs for c in o.outputs]
-        prompts_n = [p for p in prompts for _ in range(params.n)]
         return to_rollout(prompts_n, completions, self.tokenizer.pad_token_id)
 
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:

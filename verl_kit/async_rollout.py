@@ -1,0 +1,135 @@
+"""Rollouts for the online recipes, synchronous or generated ahead of the trainer (`--async_rollout`).
+
+Synchronous: step t's batch is generated when step t asks for it, by the policy of step t (the weights synced after
+update t-1), and the engine idles while the trainer updates.
+
+One-step-off (`--async_rollout --max_staleness 1`): when step t takes its batch, the batch of step t+1 is handed to a
+rollout thread, which generates it with the weights the engine has now (version t) while the trainer rewards,
+scores and updates on batch t. The weight sync after update t first waits for that generation (the engine takes new
+weights only when idle), then pushes version t+1. So the batch of step t+1 comes from the policy of step t: one step
+stale, `rollout/staleness` = step - version of the weights that sampled it. `--max_staleness K` keeps K batches ahead;
+K = 0 runs every generation through the same thread but only when its step asks for it (no overlap, the numbers of
+the synchronous recipe). The off-policy samples are corrected with importance weights (verl_kit.off_policy).
+
+Everything that uses the engine (generation, held-out evaluation) runs on the one rollout thread, in the order it was
+asked for, so the engine sees the same sequence of requests in every run; the weight sync and its probe run on the
+main thread with the engine idle. A generation that fails raises in the main thread; one that takes longer than
+`timeout_s` stops the run with an error (the thread is a daemon: it cannot keep a failed run alive).
+
+Resume: a checkpoint taken after the sync of version s holds the batches already generated for steps s .. s+K-1
+by older weights (`state_dict`, one file per rank); resuming restores them and regenerates the rest from the restored
+weights. With per-sample seeds derived from the step (the colocated vLLM engine) a resumed run is bit-identical to an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from verl_kit.rollout import Rollout, SamplingParams
+
+
+class Rollouts:
+    """`request(step) -> (prompts, SamplingParams)`: what step `step` generates (a pure function of the step, so it
+    can be asked ahead of time and again after a resume). `max_staleness`: None for synchronous rollouts, else how
+    many steps ahead batches are generated. The engine: a rollout backend (verl_kit.rollout)."""
+
+    def __init__(self, engine, request: Callable[[int], tuple[list[list[int]], SamplingParams]], total_steps: int,
+                 max_staleness: int | None = None, timeout_s: float = 1800):
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness {max_staleness}: use >= 0")
+        self.engine, self.request, self.total_steps = engine, request, total_steps
+        self.ahead, self.timeout_s = max_staleness, timeout_s
+        self.version = 0  # of the weights the engine has
+        self.batches: dict[int, tuple[Future, int]] = {}  # step -> (its rollout, the version that generates it)
+        self._jobs: queue.Queue = queue.Queue()
+        if max_staleness is not None:
+            threading.Thread(target=self._serve, name="verl_kit-rollout", daemon=True).start()
+
+    # ---- the rollout thread -------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            if future is None:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+                    future.set_exception(e)
+
+    def _call(self, fn, *args) -> Future:
+        """Run fn(*args) on the rollout thread after everything asked before it; synchronous: here and now."""
+        future: Future = Future()
+        if self.ahead is None:
+            future.set_result(fn(*args))
+        else:
+            self._jobs.put((future, fn, args))
+        return future
+
+    def _wait(self, future: Future, what: str):
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise RuntimeError(f"{what} did not finish within {self.timeout_s:g} s (--rollout_timeout_s): the "
+                               "rollout engine is stuck or far too slow") from None
+
+    def _submit(self, step: int) -> None:
+        if step < self.total_steps and step not in self.batches:
+            self.batches[step] = (self._call(self.engine.generate, *self.request(step)), self.version)
+
+    # ---- the trainer's side -------------------------------------------------------------------------------------
+    def get(self, step: int) -> tuple[Rollout, int]:
+        """The batch of `step` and its staleness (step - the version that generated it). Hands the batches of the
+        next `max_staleness` steps to the rollout thread first, so they generate while this one trains."""
+        for s in range(step, step + (self.ahead or 0) + 1):
+            self._submit(s)
+        future, version = self.batches.pop(step)
+        return self._wait(future, f"the rollout of step {step}"), step - version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
+        """Generate now, in turn with the queued batches (held-out evaluation)."""
+        return self._wait(self._call(self.engine.generate, prompts, params), "a generation")
+
+    def load_weights(self, actor, version: int) -> dict:
+        """Weight sync (collective), once the engine has finished every batch handed to it."""
+        for step, (future, _) in sorted(self.batches.items()):
+            self._wait(future, f"the rollout of step {step}")
+        metrics = self.engine.load_weights(actor, version=version)
+        self.version = version
+        return metrics
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self._jobs.put((None, None, None))
+        self.engine.close()
+
+    # ---- checkpoints --------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The batches generated but not yet trained on (call after load_weights: none is in flight then)."""
+        out = {}
+        for step, (future, version) in self.batches.items():
+            ro = self._wait(future, f"the rollout of step {step}")
+            out[step] = {"version": version, "prompt_ids": ro.prompt_ids, "response_ids": ro.response_ids,
+                         "response_mask": ro.response_mask, "sampling_logprobs": ro.sampling_logprobs,
+                         "truncated": ro.truncated}
+        return {"batches": out}
+
+    def load_state_dict(self, state: dict) -> None:
+        for step, b in state["batches"].items():
+            future: Future = Future()
+            future.set_result(Rollout(b["prompt_ids"], b["response_ids"], b["response_mask"], b["sampling_logprobs"],
+                                      b["truncated"]))
+            self.batches[int(step)] = (future, b["version"])
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A sampling seed for one step's batch on one process (a sample's seed adds its index)."""
+    return int(torch.randint(0, 2**31 - 1, (), generator=torch.Generator().manual_seed(
+        seed * 1_000_003 + step * 1009 + rank)))
