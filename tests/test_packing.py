@@ -9,6 +9,7 @@ from verl_kit.packing import (
     block_causal_mask,
     forward_logits,
     layout,
+    pack_balanced,
     pack_rows,
     sequence_logprobs,
     split_by_tokens,
@@ -90,6 +91,27 @@ def test_pack_rows_fits_and_covers():
         pack_rows([11], 10)
 
 
+def test_balanced_rows_keep_count_cover_and_narrow():
+    """[6, 5, 4, 3, 2] (20 tokens) into rows of 16: best-fit gives [6 5 4] [3 2], padded to 15 wide (10 pad slots).
+    Balanced: 2 rows need >= 10 tokens each; rows of 10 give [6 4] [5 3 2], 2 rows, 10 wide, no padding."""
+    lengths = [6, 5, 4, 3, 2]
+    unbalanced = pack_rows(lengths, 16)
+    assert [sorted(lengths[i] for i in r) for r in unbalanced] == [[4, 5, 6], [2, 3]]
+    rows = pack_balanced(lengths, 16)
+    assert [sorted(lengths[i] for i in r) for r in rows] == [[4, 6], [2, 3, 5]]
+    seqs = [[7] * n for n in lengths]
+    batch = layout(seqs, [[True] * n for n in lengths], pad_id=0, packing=True, packing_length=16)
+    assert batch.input_ids.shape == (len(unbalanced), 10)  # same row count, width 10 <= 15
+    assert batch.num_tokens == 20 and [int((batch.seq_ids == i).sum()) for i in range(5)] == lengths  # each once
+    # Random lengths: same row count, every sequence once, never wider than plain best-fit.
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        lengths = torch.randint(1, 200, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        plain, rows = pack_rows(lengths, 256), pack_balanced(lengths, 256)
+        assert len(rows) == len(plain) and sorted(i for r in rows for i in r) == list(range(len(lengths)))
+        assert max(sum(lengths[i] for i in r) for r in rows) <= max(sum(lengths[i] for i in r) for r in plain)
+
+
 def test_split_by_tokens_budget_and_fixed_count():
     costs = [50, 10, 30, 30, 20, 60]
     chunks = split_by_tokens(costs, budget=60)
@@ -102,16 +124,17 @@ def test_split_by_tokens_budget_and_fixed_count():
 
 def test_layout_pads_when_packing_does_not_pay():
     """Under the dense block mask a packed row of W tokens costs W (1 + W / 6h) (packing.row_cost). 16 sequences of
-    40 tokens, h=512, packing_length 512: padded 16 * 40 * 1.013 = 648 < packed 2 rows * 480 * 1.156 = 1110, so they
-    are padded. One sequence of 400 and 15 of 10: padded 16 * 400 * 1.13 = 7233 > packed 2 rows of 510:
-    2 * 510 * 1.17 = 1189, so they are packed. Without hidden_size, or without the block mask (flash-attention
-    varlen), packing is always kept."""
+    40 tokens, h=512, packing_length 512: best-fit needs 2 rows (12 + 4 sequences), balanced to 8 + 8, 320 wide;
+    padded 16 * 40 * 1.013 = 648 < packed 2 rows * 320 * 1.104 = 707, so they are padded. One sequence of 400 and 15
+    of 10 (550 tokens, 2 rows): balanced rows of 400 ([400] and the 15 tens, 150); padded 16 * 400 * 1.13 = 7233 >
+    packed 2 * 400 * 1.13 = 904, so they are packed. Without hidden_size, or without the block mask
+    (flash-attention varlen), packing is always kept."""
     even = [[7] * 40] * 16
     batch = layout(even, [[True] * 40] * 16, pad_id=0, packing=True, packing_length=512, hidden_size=512)
     assert batch.input_ids.shape == (16, 40) and batch.attention_mask.dim() == 2
     for kwargs in ({}, {"block_mask": False}):
         assert layout(even, [[True] * 40] * 16, 0, True, 512, hidden_size=None if not kwargs else 512,
-                      **kwargs).input_ids.shape == (2, 480)
+                      **kwargs).input_ids.shape == (2, 320)
     skewed = [[7] * 400] + [[7] * 10] * 15
     batch = layout(skewed, [[True] * len(s) for s in skewed], 0, True, 512, hidden_size=512)
-    assert batch.input_ids.shape == (2, 510) and batch.attention_mask.dim() == 4
+    assert batch.input_ids.shape == (2, 400) and batch.attention_mask.dim() == 4
