@@ -176,15 +176,16 @@ def test_same_host_transport(models, tmp_path, monkeypatch):
         assert all(os.path.dirname(f) == weight_sync.shm_dir() and not os.path.exists(f) for f in files), files
 
         folder = weight_sync.shm_dir()
-        outside = tmp_path / f"{'a' * 32}.safetensors"
+        outside = tmp_path / f"{os.getpid()}-{'a' * 32}.safetensors"
         outside.write_bytes(b"x" * 64)
         inside = os.path.join(folder, "decoy.safetensors")
-        link = os.path.join(folder, f"{'b' * 32}.safetensors")
+        link = os.path.join(folder, f"{os.getpid()}-{'b' * 32}.safetensors")
         open(inside, "wb").write(b"x" * 64)
         os.symlink(outside, link)
         try:
             for ref in (str(outside), inside, link, os.path.join(folder, "..", os.path.basename(folder),
-                                                                 f"{'c' * 32}.safetensors"), "/etc/hostname"):
+                                                                 f"{os.getpid()}-{'c' * 32}.safetensors"),
+                        "/etc/hostname"):
                 blob = weight_sync.SHM_PREFIX + json.dumps([ref, "0" * 32])
                 r = requests.post(server.url + "/collective_rpc", json={"method": "verl_kit_stage", "args": [blob]},
                                   timeout=60)
@@ -219,3 +220,27 @@ def test_grpo_zero3_tied_model_with_vllm(models, tmp_path):
     w0, w1 = load_weights(models["tied"]), load_weights(out / "final")
     moved = float((w1["model.embed_tokens.weight"] - w0["model.embed_tokens.weight"]).abs().max())
     assert moved > 1e-2, moved  # the tied embedding (= output layer) was trained
+
+
+def test_sweep_removes_buckets_of_dead_writers():
+    """A trainer SIGKILLed between writing a bucket and the worker taking it leaves the file in /dev/shm: the next
+    process that syncs removes the files of writers that are gone, and only those."""
+    import os
+
+    from verl_kit import weight_sync
+
+    folder = weight_sync.shm_dir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = os.path.join(folder, f"{dead.pid}-{'d' * 32}.safetensors")
+    mine = os.path.join(folder, f"{os.getpid()}-{'e' * 32}.safetensors")
+    other = os.path.join(folder, "not-a-bucket.txt")
+    for path in (orphan, mine, other):
+        open(path, "wb").write(b"x")
+    try:
+        assert weight_sync.sweep_orphans(folder) == [orphan]
+        assert not os.path.exists(orphan) and os.path.exists(mine) and os.path.exists(other)
+    finally:
+        for path in (orphan, mine, other):
+            if os.path.exists(path):
+                os.unlink(path)

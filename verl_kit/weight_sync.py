@@ -123,7 +123,7 @@ _TOKEN = "verl_kit.token"  # safetensors header metadata of a same-host bucket: 
 SHM_PREFIX = "shm:"  # a same-host bucket travels as "shm:" + json [path, token] (base64 has no ':')
 TRANSPORT_ENV = "VERL_KIT_WEIGHT_SYNC"  # "inline": every bucket as base64 through the RPC; "auto" (default): see encode
 _SHM_ROOT = "/dev/shm"
-_SHM_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
+_SHM_NAME = re.compile(r"(\d+)-[0-9a-f]{32}\.safetensors")  # <pid of the writer>-<random>
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
@@ -140,7 +140,32 @@ def shm_dir() -> str:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise RuntimeError(f"weight sync: {path} is not a private folder of this user (mode {oct(st.st_mode)}, "
                            f"owner uid {st.st_uid}); remove it, or set {TRANSPORT_ENV}=inline")
+    if not _swept:
+        sweep_orphans(path)
+        _swept.append(path)
     return path
+
+
+_swept: list[str] = []  # sweep once per process
+
+
+def sweep_orphans(folder: str) -> list[str]:
+    """Delete the bucket files of writers that are gone (a trainer SIGKILLed between writing a bucket and the worker
+    taking it leaves one behind, in memory until reboot). Returns the removed paths."""
+    removed = []
+    for name in os.listdir(folder):
+        m = _SHM_NAME.fullmatch(name)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, name))
+                removed.append(os.path.join(folder, name))
+        except PermissionError:  # alive, another user's pid: not ours to judge
+            pass
+    return removed
 
 
 def _transport() -> str:
@@ -199,7 +224,7 @@ def encode(tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = No
 
         return base64.b64encode(save(tensors, metadata=metadata or None)).decode("ascii")
     token = secrets.token_hex(16)
-    path = os.path.join(shm_dir(), secrets.token_hex(16) + ".safetensors")
+    path = os.path.join(shm_dir(), f"{os.getpid()}-{secrets.token_hex(16)}.safetensors")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
