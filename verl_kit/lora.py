@@ -4,9 +4,11 @@ may carry an adapter.
 with_lora(model, cfg)    the model with a fresh LoRA adapter (peft's get_peft_model), or the model itself
 reference(model)         the base model inside a LoRA policy: the same module called with its adapter disabled, so the
                          reference costs no second copy of the weights (PPO/GRPO reference log-probs)
-policy_tensors(model)    the policy as a plain HF model names it, for the weight sync and the HF-generate copy: LoRA
-                         layers are merged on the fly (W + scale * B @ A, peft's get_delta_weight), adapter weights
-                         are left out, so the engine gets exactly the trained policy as full weights
+merged_weight(...)       an adapted layer's weight merged (W + scale * B @ A, peft's get_delta_weight): the weight
+                         sync (weight_sync.gathered_buckets) sends the policy as a plain HF model names it, adapter
+                         weights left out, so the engine gets exactly the trained policy as full weights
+tied_embedding_targets   target modules that name a tied output layer / embedding: refused (a merged adapter there
+                         would change both in rollouts and exports)
 export_adapter(...)      `final/` = the adapter (PeftModel.from_pretrained loads it), `final/merged` = a full HF model
 
 Under ZeRO-3 the frozen base weights stay partitioned like any parameter (1/world per process); only the adapter
@@ -58,6 +60,22 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
 
 
+def tied_embedding_targets(model: nn.Module, targets: str | list[str]) -> list[str]:
+    """The targets that name the output layer or the input embedding of a model where the two share one weight
+    (SmolLM2, Qwen2.5 small, Llama-3.2 1B/3B). Adapting such a layer cannot be synced as a merged tensor: the weight
+    sync and the export send one merged tensor under the embedding's name with the output layer as an alias, so the
+    engine's embedding changes too (measured on the tied tiny model with lm_head adapted: synced copy vs trainer
+    1.75 nats). peft only warns. `all-linear` never matches the output layer."""
+    if isinstance(targets, str):
+        return []
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    inp, out = (get_in() if get_in else None), (get_out() if get_out else None)
+    if inp is None or out is None or getattr(out, "weight", None) is not getattr(inp, "weight", None):
+        return []
+    names = [n for n, m in model.named_modules() if m is inp or m is out]
+    return [t for t in targets if any(n == t or n.endswith("." + t) for n in names)]
+
+
 def with_lora(model: nn.Module, cfg, task_type: str | None = "CAUSAL_LM") -> nn.Module:
     """`model` with a new LoRA adapter (r, alpha, dropout, target modules from cfg) when `--use_peft`, else `model`.
     The task type follows from the model, so it is no flag: CAUSAL_LM for a policy, SEQ_CLS for a reward model
@@ -75,9 +93,14 @@ def with_lora(model: nn.Module, cfg, task_type: str | None = "CAUSAL_LM") -> nn.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
 
+    targets = _targets(cfg.lora_target_modules)
+    tied = tied_embedding_targets(model, targets)
+    if tied:
+        raise UserError(f"--lora_target_modules {cfg.lora_target_modules}: this model's output layer and input "
+                        f"embedding share one weight (tied embeddings), so a merged adapter on {', '.join(tied)} "
+                        f"would change both in rollouts and exports; leave {', '.join(tied)} out")
     config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                        target_modules=_targets(cfg.lora_target_modules), bias="none",
-                        task_type=task_type)
+                        target_modules=targets, bias="none", task_type=task_type)
     try:
         return get_peft_model(model, config)
     except ValueError as e:
