@@ -38,11 +38,11 @@ def grpo(mode: str, rnd: int, args, model: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2, help="first steps of each run left out")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (x4 responses)")
-    ap.add_argument("--new_tokens", type=int, default=48)
+    ap.add_argument("--new_tokens", type=int, default=128, help="response length (ignore_eos)")
     args = ap.parse_args()
     model = build_model()
     steps: dict[str, list[dict]] = {"sync": [], "async": []}
