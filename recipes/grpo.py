@@ -16,14 +16,14 @@ Copy this file and edit it; `verl_kit` holds only mechanism.
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 import torch
 
 from verl_kit.actor_critic import ResponsePacker, actor_logits
 from verl_kit.advantages import group_advantages, kl_estimate
-from verl_kit.async_rollout import Rollouts, step_seed
+from verl_kit.async_rollout import recipe_rollouts
 from verl_kit.checkpoint import resume, save_if_due
 from verl_kit.config import OnlineConfig, parse_args
 from verl_kit.distributed import (
@@ -40,7 +40,7 @@ from verl_kit.errors import UserError, main_guard
 from verl_kit.lora import reference, with_lora
 from verl_kit.metrics import MetricsLogger, Timer, logger
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path
-from verl_kit.off_policy import importance_weights, mismatch_metrics, step_metrics
+from verl_kit.off_policy import reweight, step_metrics
 from verl_kit.packing import logprobs_from_logits
 from verl_kit.ppo_losses import entropy_from_logits, loss_weights, policy_clipped, policy_loss
 from verl_kit.rewards import make_rewards
@@ -98,16 +98,8 @@ def main():
                                   train.ids[:cfg.vllm_probe_size])  # HF generate, vLLM engine or vLLM server
     sampling = cfg.sampling()
 
-    def seed(step: int) -> int | None:  # the colocated engine seeds every sample: a resumed run draws the same ones
-        return step_seed(cfg.seed, step, rank) if cfg.rollout == "vllm" else None
-
-    def request(step: int):  # what a step generates on this process
-        idx = step_indices(len(train.ids), step, cfg.prompts_per_step, cfg.seed, rank, world)
-        return [train.ids[i] for i in idx], replace(sampling, seed=seed(step))
-
-    # synchronous, or (--async_rollout) the next batches generated while this one trains
-    rollouts = Rollouts(rollout_engine, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
-                        cfg.rollout_timeout_s)
+    # synchronous, or (--async_rollout) the next batches generated while this one trains; seeded per sample with vllm
+    rollouts, eval_sampling = recipe_rollouts(cfg, rollout_engine, train.ids, sampling, total_steps, rank, world)
     start = resume(accelerator, cfg, per_rank=rollouts)  # with batches generated ahead and not yet trained on
     rollouts.load_weights(actor.unwrapped(), version=start)  # weight sync: the rollout copy = the actor
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
@@ -116,7 +108,7 @@ def main():
         return reward.of_rollout(rows, ro, tokenizer)
 
     def evaluate_held_out() -> dict:  # one response per held-out prompt, same rewards, no KL term
-        return evaluate(accelerator, rollouts, test.ids, test.rows, replace(sampling, n=1, seed=seed(-1)), score,
+        return evaluate(accelerator, rollouts, test.ids, test.rows, eval_sampling, score,
                         cfg.prompts_per_step // world)
 
     if start == 0 and test.ids:
@@ -162,13 +154,9 @@ def main():
                         old = logprobs.detach() if one_update else old_logprobs[ix.row, ix.pos].to(device)
                         adv = advantages[ix.row].to(device)  # a response's advantage on each of its tokens
                         loss = policy_loss(logprobs, old, adv, cfg.cliprange)
-                        if cfg.importance_sampling:  # the engine's samples come from mu, not pi_old: reweight
-                            is_args = (old, ro.sampling_logprobs[ix.row, ix.pos].to(device), ix.row.to(device), B,
-                                       cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_max,
-                                       cfg.vllm_importance_sampling_clip_min)
-                            loss = loss * importance_weights(*is_args)
-                            if it == 0:
-                                tally.add(**mismatch_metrics(*is_args))
+                        # the engine sampled from mu, not pi_old: importance weights (verl_kit.off_policy)
+                        loss = reweight(cfg, loss, old, ro.sampling_logprobs[ix.row, ix.pos].to(device),
+                                        ix.row.to(device), B, tally if it == 0 else None)
                         kl = (kl_estimate(logprobs, ref_logprobs[ix.row, ix.pos].to(device), "k3") if ref is not None
                               else torch.zeros_like(logprobs))
                         # this micro-batch's share of the minibatch loss on all ranks (ppo_losses.loss_weights)

@@ -133,3 +133,25 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     """A sampling seed for one step's batch on one process (a sample's seed adds its index)."""
     return int(torch.randint(0, 2**31 - 1, (), generator=torch.Generator().manual_seed(
         seed * 1_000_003 + step * 1009 + rank)))
+
+
+def recipe_rollouts(cfg, engine, prompt_ids: list[list[int]], sampling: SamplingParams, total_steps: int, rank: int,
+                    world: int) -> tuple[Rollouts, SamplingParams]:
+    """The online recipes' Rollouts (OnlineConfig flags: synchronous, or --async_rollout ahead by --max_staleness)
+    over `prompt_ids`, and the sampling of the held-out evaluation. A step generates its prompts on this process
+    (distributed.step_indices); the colocated engine seeds every sample from (seed, step, rank, index), so a resumed
+    run draws the same ones, and evaluates with fixed seeds."""
+    from dataclasses import replace
+
+    from verl_kit.distributed import step_indices
+
+    def seed(step: int) -> int | None:
+        return step_seed(cfg.seed, step, rank) if cfg.rollout == "vllm" else None
+
+    def request(step: int):
+        idx = step_indices(len(prompt_ids), step, cfg.prompts_per_step, cfg.seed, rank, world)
+        return [prompt_ids[i] for i in idx], replace(sampling, seed=seed(step))
+
+    rollouts = Rollouts(engine, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
+                        cfg.rollout_timeout_s)
+    return rollouts, replace(sampling, n=1, seed=seed(-1))

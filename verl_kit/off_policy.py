@@ -119,3 +119,17 @@ def step_metrics(sums: dict[str, float]) -> dict[str, float]:
         return {}
     return {"rollout/mismatch_kl": sums["mismatch_kl"] / n, "rollout/logp_diff_mean": sums["sampling_logp_diff"] / n,
             "rollout/is_ratio_mean": sums["is_ratio"] / n, "rollout/is_clipped_frac": sums["is_clipped"] / n}
+
+
+def reweight(cfg, loss: torch.Tensor, old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
+             seq_index: torch.Tensor, num_seqs: int, tally=None) -> torch.Tensor:
+    """The per-token policy loss (M,) times its importance weight when the recipe's flags ask for the correction
+    (OnlineConfig.importance_sampling and the vllm_importance_sampling_* flags), else `loss` itself. With a `tally`
+    (distributed.Tally; pass one on the first pass over a rollout only) the mismatch_metrics are added to it."""
+    if not cfg.importance_sampling:
+        return loss
+    args = (old_logprobs, sampling_logprobs, seq_index, num_seqs, cfg.vllm_importance_sampling_mode,
+            cfg.vllm_importance_sampling_clip_max, cfg.vllm_importance_sampling_clip_min)
+    if tally is not None:
+        tally.add(**mismatch_metrics(*args))
+    return loss * importance_weights(*args)

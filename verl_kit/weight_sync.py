@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import logging
 import mmap
@@ -140,13 +141,13 @@ def shm_dir() -> str:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise RuntimeError(f"weight sync: {path} is not a private folder of this user (mode {oct(st.st_mode)}, "
                            f"owner uid {st.st_uid}); remove it, or set {TRANSPORT_ENV}=inline")
-    if not _swept:
-        sweep_orphans(path)
-        _swept.append(path)
+    _sweep_once(path)
     return path
 
 
-_swept: list[str] = []  # sweep once per process
+@functools.cache
+def _sweep_once(folder: str) -> None:
+    sweep_orphans(folder)
 
 
 def sweep_orphans(folder: str) -> list[str]:
