@@ -66,11 +66,12 @@ def ppo_generation_share(rollout: str, steps: int, new_tokens: int) -> float:
     return median([r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:] or rows])
 
 
-def kv_bytes_per_token(model_dir: str) -> int:
-    """fp32 K and V of every layer for one token."""
+def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """K and V of every layer for one token."""
     c = json.load(open(os.path.join(model_dir, "config.json")))
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+    heads = c.get("num_key_value_heads", c["num_attention_heads"])
+    return 2 * c["num_hidden_layers"] * heads * head_dim * (4 if dtype == "float32" else 2)
 
 
 def cpu_seconds() -> tuple[float, float]:
@@ -99,6 +100,8 @@ def main() -> None:
     ap.add_argument("--syncs", type=int, default=3)
     ap.add_argument("--bucket_mb", type=float, default=16)
     ap.add_argument("--ppo_steps", type=int, default=3, help="PPO steps per backend for the generation share; 0: skip")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="generation dtype of both sides (the kit's: bfloat16 under --mixed_precision bf16)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads of each side (HF torch, vLLM worker)")
     ap.add_argument("--sweep_batches", default="", help="also measure these batch sizes (comma-separated)...")
     ap.add_argument("--sweep_lengths", default="", help="...at these response lengths (default: --new_tokens)")
@@ -129,14 +132,14 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model = load_causal_lm(path, "sdpa")
-    hf = HFGenerateBackend(model, tok, torch.device("cpu"), torch.float32)
+    hf = HFGenerateBackend(model, tok, torch.device("cpu"), getattr(torch, args.dtype))
     t0 = time.time()
     # KV cache for every sequence of the largest batch at the longest length (blocks of 128 tokens on CPU), so no
     # configuration is measured with preempted sequences.
     longest = max(len(p) for p in prompts) + max(sweep_l + [args.new_tokens])
-    kv_gib = max(1, math.ceil(max([args.batch] + sweep_b) * math.ceil(longest / 128) * 128 * kv_bytes_per_token(path)
-                              / 2**30 * 1.1))
-    engine = VLLMColocated(path, tok, dtype="float32", max_num_seqs=max([args.batch, 64] + sweep_b),
+    kv_gib = max(1, math.ceil(max([args.batch] + sweep_b) * math.ceil(longest / 128) * 128
+                              * kv_bytes_per_token(path, args.dtype) / 2**30 * 1.1))
+    engine = VLLMColocated(path, tok, dtype=args.dtype, max_num_seqs=max([args.batch, 64] + sweep_b),
                            max_model_len=1024, kv_cache_gib=kv_gib, cpu_threads=args.threads,
                            bucket_mb=args.bucket_mb, probe_prompts=prompts[:4], probe_threshold=1e-3)
     print(f"vLLM engine start {time.time() - t0:.1f}s (KV cache {kv_gib} GiB)", flush=True)

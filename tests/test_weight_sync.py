@@ -143,11 +143,12 @@ def test_server_sync_matches_trainer(layout, models):
 
 
 def test_same_host_transport(models, tmp_path, monkeypatch):
-    """A server on a loopback URL gets each bucket as a file in the kit's shm folder (only its reference crosses the
-    HTTP RPC): the sync is exact like the inline one (~1e-6), each bucket's file is gone once staged, and the worker
-    refuses references that name any other file (the endpoint takes them from HTTP clients): a file outside the
-    folder, one inside it under another name, a link named like a bucket, a path with '..'. Then the inline path
-    (VERL_KIT_WEIGHT_SYNC=inline) on the same engine, exact too."""
+    """A server on a loopback URL gets the buckets through the kit's shm folder (only the slots' references cross the
+    HTTP RPC): the sync is exact like the inline one (~1e-6); the next sync writes the same slot files again (fresh
+    tokens); once committed the engine no longer reads them (zeroing every slot changes nothing); close() removes
+    them. The worker refuses references that name any other file (the endpoint takes them from HTTP clients): a file
+    outside the folder, one inside it under another name, a link named like a bucket, a path with '..'. Then the
+    inline path (VERL_KIT_WEIGHT_SYNC=inline) on the same engine, exact too."""
     import os
 
     import requests
@@ -159,9 +160,10 @@ def test_same_host_transport(models, tmp_path, monkeypatch):
 
     assert is_loopback_url("http://127.0.0.1:8000") and is_loopback_url("http://localhost:1")
     assert not is_loopback_url("http://10.0.0.2:8000") and not is_loopback_url("http://example.org")
-    sent = []
-    encode = weight_sync.encode
-    monkeypatch.setattr(weight_sync, "encode", lambda *a: sent.append(encode(*a)) or sent[-1])
+    sent, inline_sent = [], []
+    shared_encode, encode = weight_sync.SharedBuckets.encode, weight_sync.encode
+    monkeypatch.setattr(weight_sync.SharedBuckets, "encode", lambda *a: sent.append(shared_encode(*a)) or sent[-1])
+    monkeypatch.setattr(weight_sync, "encode", lambda *a: inline_sent.append(encode(*a)) or inline_sent[-1])
     path = models["untied"]
     tok = load_tokenizer(path)
     prompts = probe_prompts(tok)
@@ -169,11 +171,21 @@ def test_same_host_transport(models, tmp_path, monkeypatch):
     with ServerProcess(path, startup_timeout_s=400, **ENGINE) as server:
         client = VLLMServer(server.url, tok, bucket_mb=0.05, probe_prompts=prompts, probe_threshold=float("inf"),
                             request_timeout_s=120)
-        out = sync_check(client, model, tok, prompts)
-        assert_synced(out)
-        assert len(sent) > 1 and all(b.startswith(weight_sync.SHM_PREFIX) for b in sent), sent[:2]
-        files = [json.loads(b[len(weight_sync.SHM_PREFIX):])[0] for b in sent]
-        assert all(os.path.dirname(f) == weight_sync.shm_dir() and not os.path.exists(f) for f in files), files
+        for _ in range(2):  # two updates, two syncs
+            out = sync_check(client, model, tok, prompts)
+            assert_synced(out)
+        assert len(sent) > 2 and not inline_sent and all(b.startswith(weight_sync.SHM_PREFIX) for b in sent)
+        refs = [json.loads(b[len(weight_sync.SHM_PREFIX):]) for b in sent]
+        half = len(refs) // 2
+        assert [p for p, _ in refs[:half]] == [p for p, _ in refs[half:]], refs  # the same slots, both syncs
+        assert len({t for _, t in refs}) == len(refs)  # a fresh token per write
+        files = [p for p, _ in refs[half:]]
+        assert all(os.path.dirname(f) == weight_sync.shm_dir() and os.path.exists(f) for f in files), files
+        for _, buf in client._shared.slots:
+            buf[:] = bytes(len(buf))
+        engine = client.score(prompts)
+        trainer = weight_sync.trainer_logprobs(model, prompts)
+        assert weight_sync.max_abs_diff(engine, trainer) < 1e-4
 
         folder = weight_sync.shm_dir()
         outside = tmp_path / f"{os.getpid()}-{'a' * 32}.safetensors"
@@ -199,7 +211,9 @@ def test_same_host_transport(models, tmp_path, monkeypatch):
         monkeypatch.setenv("VERL_KIT_WEIGHT_SYNC", "inline")
         out = sync_check(client, model, tok, prompts)
         assert_synced(out)
-        assert sent and not any(b.startswith(weight_sync.SHM_PREFIX) for b in sent)
+        assert inline_sent and not sent and not any(b.startswith(weight_sync.SHM_PREFIX) for b in inline_sent)
+        client.close()
+        assert not any(os.path.exists(f) for f in files) and not client._shared.slots
     print(f"same-host transport: {out}")
 
 
@@ -223,8 +237,8 @@ def test_grpo_zero3_tied_model_with_vllm(models, tmp_path):
 
 
 def test_sweep_removes_buckets_of_dead_writers():
-    """A trainer SIGKILLed between writing a bucket and the worker taking it leaves the file in /dev/shm: the next
-    process that syncs removes the files of writers that are gone, and only those."""
+    """A trainer SIGKILLed (or one that never closed its backend) leaves its slot files in /dev/shm: the next process
+    that syncs removes the files of writers that are gone, and only those."""
     import os
 
     from verl_kit import weight_sync

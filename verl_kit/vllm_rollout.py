@@ -29,7 +29,7 @@ import torch
 from verl_kit.errors import UserError
 from verl_kit.rollout import Rollout, SamplingParams
 from verl_kit.vllm_server import auth_headers, is_loopback_url
-from verl_kit.weight_sync import WORKER_EXTENSION, discard, inline, max_abs_diff, sync_weights, trainer_logprobs
+from verl_kit.weight_sync import WORKER_EXTENSION, SharedBuckets, max_abs_diff, sync_weights, trainer_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class _Checked:
     bucket_mb: float
     sync_timeout_s: float
 
-    def _push(self, blob: str, seconds: float) -> None:
+    def _push(self, blobs: list[str], seconds: float) -> None:
         raise NotImplementedError
 
     def _commit(self, seconds: float) -> None:
@@ -140,16 +140,27 @@ class _Checked:
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def _close_shared(self) -> None:
+        if getattr(self, "_shared", None) is not None:
+            self._shared.close()
+
     @property
     def pushes(self) -> bool:
+        return True
+
+    @property
+    def same_host(self) -> bool:
+        """Whether the engine's workers run on this host (and read buckets from its /dev/shm)."""
         return True
 
     def load_weights(self, actor, version: int = 0) -> dict:
         """Weight sync + probe. Collective: every training process calls it at the same point, after each update.
         Returns weight_sync/* metrics (`version`: the optimizer step that produced these weights, the policy version
         the next rollouts come from) and the probe's rollout/* metrics; raises RuntimeError when the probe fails."""
+        if self.pushes and self.same_host and getattr(self, "_shared", None) is None:
+            self._shared = SharedBuckets()
         metrics = sync_weights(actor, self._push if self.pushes else None, self._commit if self.pushes else None,
-                               self.bucket_mb, self.sync_timeout_s)
+                               self.bucket_mb, self.sync_timeout_s, getattr(self, "_shared", None))
         metrics["weight_sync/version"] = version
         if self.probe is not None:
             metrics.update(self.probe.check(self.score, actor, self.pushes))
@@ -193,12 +204,8 @@ class VLLMColocated(_Checked):
         self.bucket_mb, self.sync_timeout_s = bucket_mb, sync_timeout_s
         self.probe = Probe(probe_prompts, probe_threshold or default_probe_threshold(dtype)) if probe_prompts else None
 
-    def _push(self, blob: str, seconds: float) -> None:
-        """The engine's workers are processes of this host: a same-host bucket goes as its file's reference."""
-        try:
-            self.llm.collective_rpc("verl_kit_stage", timeout=seconds, args=(blob,))
-        finally:
-            discard(blob)
+    def _push(self, blobs: list[str], seconds: float) -> None:
+        self.llm.collective_rpc("verl_kit_stage", timeout=seconds, args=tuple(blobs))
 
     def _commit(self, seconds: float) -> None:
         if self.sleep:
@@ -245,6 +252,7 @@ class VLLMColocated(_Checked):
         if hasattr(self, "llm"):
             del self.llm  # the engine client's finalizer stops the engine core and its workers
             gc.collect()
+        self._close_shared()
 
 
 # ---- server ------------------------------------------------------------------------------------------------------
@@ -309,13 +317,14 @@ class VLLMServer(_Checked):
         body = {"method": method, "args": args, "timeout": seconds}
         return self._request("POST", "/collective_rpc", body, seconds)
 
-    def _push(self, blob: str, seconds: float) -> None:
-        """A server on a loopback URL runs on this host and reads a same-host bucket's file; any other gets the
-        bucket inline (base64 in the JSON body)."""
-        try:
-            self._rpc("verl_kit_stage", [blob if is_loopback_url(self.url) else inline(blob)], seconds)
-        finally:
-            discard(blob)
+    @property
+    def same_host(self) -> bool:
+        """A server on a loopback URL runs on this host and reads buckets from its /dev/shm; any other gets them
+        inline (base64 in the JSON body)."""
+        return is_loopback_url(self.url)
+
+    def _push(self, blobs: list[str], seconds: float) -> None:
+        self._rpc("verl_kit_stage", blobs, seconds)
 
     def _commit(self, seconds: float) -> None:
         self._rpc("verl_kit_commit", [], seconds)
@@ -343,6 +352,7 @@ class VLLMServer(_Checked):
         """Stop the server if this client's run started it."""
         if getattr(self, "server", None) is not None:
             self.server.stop()
+        self._close_shared()
 
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         choices = self._completions(seqs, dict(max_tokens=1, temperature=1.0, prompt_logprobs=0))

@@ -38,8 +38,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def is_loopback_url(url: str) -> bool:
-    """A server URL on this host's loopback (the server then shares this host's /dev/shm: weight buckets go as
-    files, verl_kit.weight_sync.encode)."""
+    """A server URL on this host's loopback (the server then shares this host's /dev/shm: weight buckets go through
+    files there, verl_kit.weight_sync.SharedBuckets)."""
     import ipaddress
     from urllib.parse import urlparse
 

@@ -1,13 +1,15 @@
 """Weight sync: the trainer's policy (ZeRO-3 shards) -> a vLLM engine, after every update; then a logprob probe.
 
 Every process gathers the parameters in buckets of at most `bucket_mb` MiB (`deepspeed.zero.GatheredParameters` per
-bucket, never the whole model at once), the pushing process serialises each bucket with safetensors and hands it to
-the engine's workers through vLLM's public RPC surface (`LLM.collective_rpc` in process, `POST /collective_rpc` of a
-server started with VLLM_SERVER_DEV_MODE=1), into the `WorkerExtension` below. How a bucket travels: to a worker on
-this host (a colocated engine, a server on a loopback URL) it is written once as a 0600 file with an unguessable
-name in this user's private /dev/shm/verl_kit-<uid> and only its path and a token cross the RPC (the worker maps it,
-deletes it, and refuses any other path); to another host, or with VERL_KIT_WEIGHT_SYNC=inline, the bytes go base64
-in the RPC body (80 MB: 0.15 s against 0.86 s on CPU). The extension (`--worker-extension-cls
+bucket, never the whole model at once); the pushing process copies each gathered bucket, in safetensors layout, to
+where it travels and hands it to the engine's workers through vLLM's public RPC surface (`LLM.collective_rpc` in
+process, `POST /collective_rpc` of a server started with VLLM_SERVER_DEV_MODE=1), into the `WorkerExtension` below.
+How a bucket travels: to a worker on this host (a colocated engine, a server on a loopback URL) it is copied
+straight from the parameter into its slot, a 0600 file with an unguessable name in this user's private
+/dev/shm/verl_kit-<uid> that the trainer and the worker both keep mapped from one sync to the next
+(`SharedBuckets`); only the slots' paths and fresh tokens cross the RPC, in one call per sync (the worker refuses
+any other path). To another host, or with VERL_KIT_WEIGHT_SYNC=inline, each bucket goes base64 in the RPC body (80
+MB: ~0.1 s against ~1 s on CPU, bench/README.md). The extension (`--worker-extension-cls
 verl_kit.weight_sync.WorkerExtension`) stages the buckets and commits them with the worker's
 `reload_weights`, which runs the model's own `load_weights` (HF checkpoint names, q/k/v and gate/up fusion) and then
 the platform's post-load processing, layer by layer. That last step is why this route works on CPU, where vLLM
@@ -105,18 +107,19 @@ def buckets(model, bucket_bytes: int) -> list[list[tuple[list[str], torch.nn.Par
 
 
 def gathered_buckets(model, bucket_bytes: int) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, str]]]:
-    """Yield each bucket as ({engine name: full CPU tensor}, {alias: engine name}); a tied tensor is sent once, its
-    other names ride along as aliases; a LoRA layer's weight is sent merged (W + scale * B @ A, gathered with its A
-    and B). Collective under ZeRO-3: every process iterates it to the end, in order."""
+    """Yield each bucket as ({engine name: full tensor}, {alias: engine name}); a tied tensor is sent once, its other
+    names ride along as aliases; a LoRA layer's weight is sent merged (W + scale * B @ A, gathered with its A and B).
+    The tensors are the parameters themselves, on their device (under ZeRO-3 the gathered ones): valid until the
+    next bucket is asked for, so the consumer copies them where they go (no copy in between). Collective under
+    ZeRO-3: every process iterates it to the end, in order."""
     adapted = lora.lora_layers(model)
     for bucket in buckets(model, bucket_bytes):
         extra = [q for _, p in bucket if id(p) in adapted for q in lora.adapter_params(adapted[id(p)])]
         with gathered_params(model, [p for _, p in bucket] + extra):
             tensors = {engine_name(names[0]): (lora.merged_weight(adapted[id(p)], p.data) if id(p) in adapted
-                                               else p.data).detach().to("cpu", copy=True).contiguous()
-                       for names, p in bucket}
-        aliases = {engine_name(a): engine_name(names[0]) for names, _ in bucket for a in names[1:]}
-        yield tensors, aliases
+                                               else p.data).detach() for names, p in bucket}
+            aliases = {engine_name(a): engine_name(names[0]) for names, _ in bucket for a in names[1:]}
+            yield tensors, aliases
 
 
 _ALIASES = "verl_kit.aliases"  # safetensors header metadata: {alias: name of the tensor sent}
@@ -151,8 +154,8 @@ def _sweep_once(folder: str) -> None:
 
 
 def sweep_orphans(folder: str) -> list[str]:
-    """Delete the bucket files of writers that are gone (a trainer SIGKILLed between writing a bucket and the worker
-    taking it leaves one behind, in memory until reboot). Returns the removed paths."""
+    """Delete the slot files of writers that are gone (a trainer SIGKILLed, or one that never closed its backend,
+    leaves its slots behind, in memory until reboot). Returns the removed paths."""
     removed = []
     for name in os.listdir(folder):
         m = _SHM_NAME.fullmatch(name)
@@ -179,33 +182,32 @@ def _transport() -> str:
     return "shm" if mode == "auto" and os.path.isdir(_SHM_ROOT) else "inline"
 
 
-def _write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """`tensors` in safetensors layout, written straight from their memory (no serialised copy in between). Widest
+def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, list[tuple[str, int]], int]:
+    """(8-byte length + JSON header, [(name, data offset)], total bytes) of `tensors` in safetensors layout. Widest
     dtype first, so each tensor's offset is a multiple of its element size and the reader can view it in place."""
     order = sorted(tensors, key=lambda k: -tensors[k].element_size())
-    header, offset = {"__metadata__": metadata}, 0
+    header, offsets, offset = {"__metadata__": metadata}, [], 0
     for k in order:
         t = tensors[k]
         if t.dtype not in _DTYPES:
             raise TypeError(f"weight sync: {k} has dtype {t.dtype}, which a safetensors bucket cannot carry")
         n = t.numel() * t.element_size()
         header[k] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offsets.append((k, offset))
         offset += n
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
-    f.write(len(head).to_bytes(8, "little") + head)
-    for k in order:
-        if tensors[k].numel():
-            f.write(memoryview(tensors[k].contiguous().view(-1).view(torch.uint8).numpy()))
+    head = len(head).to_bytes(8, "little") + head
+    return head, offsets, len(head) + offset
 
 
 def _view_safetensors(buf) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors viewing a writable buffer in safetensors layout written by `_write_safetensors` (no copy), and the
-    header's metadata."""
+    """Tensors viewing a writable buffer in safetensors layout (no copy; bytes past the last tensor are ignored), and
+    the header's metadata."""
     n = int.from_bytes(buf[:8], "little")
     header = json.loads(bytes(buf[8:8 + n]))
     metadata = header.pop("__metadata__", {})
-    if len(buf) == 8 + n:
+    if not header:
         return {}, metadata
     data = torch.frombuffer(buf, dtype=torch.uint8, offset=8 + n)
     return {k: data[v["data_offsets"][0]:v["data_offsets"][1]].view(_TORCH_DTYPES[v["dtype"]]).view(v["shape"])
@@ -213,27 +215,71 @@ def _view_safetensors(buf) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 
 def encode(tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> str:
-    """A bucket as a string, so it crosses both collective_rpc and the server's JSON endpoint (aliases in the
-    safetensors header). By default (`VERL_KIT_WEIGHT_SYNC` unset or auto) the bucket is written once into a fresh
-    0600 file with an unguessable name in `shm_dir()` and the string is only its reference (path and token): the
-    worker maps the file (no copy) and deletes it. A backend whose engine is on another host sends `inline(blob)`
-    instead, and `discard(blob)` after the call. Inline (VERL_KIT_WEIGHT_SYNC=inline, or no /dev/shm): base64
-    safetensors, about 5x slower than the same-host file (bench/README.md)."""
-    metadata = {_ALIASES: json.dumps(aliases)} if aliases else {}
-    if _transport() == "inline":
-        from safetensors.torch import save
+    """A bucket inline: base64 safetensors (aliases in the header), which crosses collective_rpc and the server's JSON
+    endpoint to any host. About 5x slower than the same-host transport (`SharedBuckets`, bench/README.md)."""
+    from safetensors.torch import save
 
-        return base64.b64encode(save(tensors, metadata=metadata or None)).decode("ascii")
-    token = secrets.token_hex(16)
-    path = os.path.join(shm_dir(), f"{os.getpid()}-{secrets.token_hex(16)}.safetensors")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            _write_safetensors(f, tensors, {**metadata, _TOKEN: token})
-    except BaseException:
-        os.unlink(path)
-        raise
-    return SHM_PREFIX + json.dumps([path, token])
+    metadata = {_ALIASES: json.dumps(aliases)} if aliases else None
+    tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
+    return base64.b64encode(save(tensors, metadata=metadata)).decode("ascii")
+
+
+class SharedBuckets:
+    """The trainer's end of the same-host transport (one per engine backend). Bucket i of every sync is written into
+    slot i: a 0600 file with an unguessable name in `shm_dir()`, created at the first sync and kept, mapped, until
+    `close()`; only its reference (path and a fresh token, also written into the file's header) crosses the RPC. The
+    worker maps each slot once and keeps the mapping (`decode`). Reusing the slots matters on CPU: a fresh tmpfs file
+    or mapping pays a page fault and a zeroed page per 4 KiB on both sides (80 MB: ~30 ms to write a new file here,
+    against ~13 ms to copy into pages already there). The cost: the slots hold one copy of the synced weights in
+    /dev/shm for the backend's life (a killed trainer's slots are removed by the next sync's sweep, by pid).
+
+    The worker reads a slot only between the push of its reference and the end of the commit; the trainer writes it
+    again only in the next sync, after that commit returned (the sync is synchronous: push, push, ..., commit)."""
+
+    def __init__(self):
+        self.slots: list[tuple[str, mmap.mmap]] = []
+
+    def encode(self, index: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> str:
+        token = secrets.token_hex(16)
+        head, offsets, size = _layout(tensors, {**({_ALIASES: json.dumps(aliases)} if aliases else {}), _TOKEN: token})
+        if index < len(self.slots) and len(self.slots[index][1]) < size:  # the bucket grew: a new, larger slot
+            self._remove(index)
+        if index >= len(self.slots):
+            self.slots.append(self._create(size))
+        path, buf = self.slots[index]
+        out = torch.frombuffer(buf, dtype=torch.uint8, count=size)
+        out[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        for k, offset in offsets:  # straight from the (gathered) parameter, on whatever device, into the slot
+            t = tensors[k]
+            n = t.numel() * t.element_size()
+            out[len(head) + offset:len(head) + offset + n].view(t.dtype).view(t.shape).copy_(t)
+        del out  # no view may outlive the call: close() unmaps
+        return SHM_PREFIX + json.dumps([path, token])
+
+    @staticmethod
+    def _create(size: int) -> tuple[str, mmap.mmap]:
+        path = os.path.join(shm_dir(), f"{os.getpid()}-{secrets.token_hex(16)}.safetensors")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            return path, mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+
+    def _remove(self, index: int) -> None:
+        path, buf = self.slots[index]
+        buf.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def close(self) -> None:
+        """Remove the slots (the engine's worker may keep its mapping of them until it exits)."""
+        for i in range(len(self.slots)):
+            self._remove(i)
+        self.slots.clear()
 
 
 def _shm_ref(blob: str) -> tuple[str, str]:
@@ -252,10 +298,14 @@ def _shm_ref(blob: str) -> tuple[str, str]:
     return path, token
 
 
+_MAPPED: dict[str, tuple[tuple[int, int], mmap.mmap]] = {}  # worker side: slot path -> ((inode, size), mapping)
+
+
 def decode(blob: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, aliases) of an encoded bucket. A same-host reference: the file is opened without following links,
-    checked (a regular 0600 file of this user, the token in its header), mapped copy-on-write, so the tensors view
-    the file's pages without a copy, and deleted (the mapping keeps the pages until the tensors go)."""
+    """(tensors, aliases) of an encoded bucket. A same-host reference: the slot file is opened without following
+    links and checked (a regular 0600 file of this user, the reference's token in its header); it is mapped shared
+    the first time (and again if it was replaced) and the mapping kept, so the tensors view pages the trainer wrote
+    without a copy. `release_mappings` drops the mappings of slots a sync no longer uses."""
     if not blob.startswith(SHM_PREFIX):
         from safetensors.torch import load
 
@@ -264,7 +314,7 @@ def decode(blob: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         return load(raw), json.loads(header.get("__metadata__", {}).get(_ALIASES, "{}"))
     path, token = _shm_ref(blob)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise FileNotFoundError(f"weight sync: bucket file {path} not found: is the engine on another host or in "
                                 f"another /dev/shm (a container)? Set {TRANSPORT_ENV}=inline") from None
@@ -274,34 +324,22 @@ def decode(blob: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
             raise PermissionError(f"weight sync: refused {path}: not a private file of this user")
-        buf = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        key = (st.st_ino, st.st_size)
+        if path not in _MAPPED or _MAPPED[path][0] != key:
+            _MAPPED[path] = key, mmap.mmap(fd, st.st_size)
     finally:
         os.close(fd)
-    os.unlink(path)
-    tensors, metadata = _view_safetensors(buf)
+    tensors, metadata = _view_safetensors(_MAPPED[path][1])
     if not secrets.compare_digest(metadata.get(_TOKEN, ""), token):
         raise PermissionError(f"weight sync: refused {path}: its token does not match the reference")
     return tensors, json.loads(metadata.get(_ALIASES, "{}"))
 
 
-def inline(blob: str) -> str:
-    """The inline (base64) form of an encoded bucket, for an engine on another host; a same-host bucket's file is
-    read and deleted."""
-    if not blob.startswith(SHM_PREFIX):
-        return blob
-    path, _ = _shm_ref(blob)
-    with open(path, "rb") as f:
-        raw = f.read()
-    os.unlink(path)
-    return base64.b64encode(raw).decode("ascii")
-
-
-def discard(blob: str) -> None:
-    """Delete a same-host bucket's file if it is still there (the worker deletes it once read; this covers a push
-    that failed). Called by the pushing backend after every push."""
-    if blob.startswith(SHM_PREFIX):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(_shm_ref(blob)[0])
+def release_mappings(keep: set[str]) -> None:
+    """Worker side, after a commit: forget the mappings of slots other than `keep` (a closed backend's, a replaced
+    slot's); each is unmapped once no tensor views it."""
+    for path in [p for p in _MAPPED if p not in keep]:
+        del _MAPPED[path]
 
 
 class WorkerExtension:
@@ -309,18 +347,20 @@ class WorkerExtension:
     Buckets are staged on the worker and committed at once: vLLM's layerwise reload processes a layer when all its
     weights have arrived, and a fused qkv layer may straddle two buckets."""
 
-    def verl_kit_stage(self, blob: str) -> int:
+    def verl_kit_stage(self, *blobs: str) -> int:
+        """Stage encoded buckets (all of a same-host sync's slots in one call; an inline bucket per call)."""
         staged = self.__dict__.setdefault("_verl_kit_staged", {})
         refs = self.__dict__.setdefault("_verl_kit_refs", set())  # same-host buckets staged since the last commit
         if not staged:
             refs.clear()
-        if blob in refs:  # a retried request whose first try was staged (its file is gone) but not answered
-            return len(staged)
-        tensors, aliases = decode(blob)
-        staged.update(tensors)
-        self.__dict__.setdefault("_verl_kit_aliases", {}).update(aliases)
-        if blob.startswith(SHM_PREFIX):
-            refs.add(blob)
+        for blob in blobs:
+            if blob in refs:  # a retried request whose first try was staged but not answered
+                continue
+            tensors, aliases = decode(blob)
+            staged.update(tensors)
+            self.__dict__.setdefault("_verl_kit_aliases", {}).update(aliases)
+            if blob.startswith(SHM_PREFIX):
+                refs.add(blob)
         return len(staged)
 
     def verl_kit_commit(self) -> int:
@@ -329,9 +369,12 @@ class WorkerExtension:
         # Every name of a tied tensor, the aliases last (as in a checkpoint that stores lm_head separately): the
         # model's load_weights then loads the tied output layer like any other layer, see the module docstring.
         weights = list(staged.items()) + [(a, staged[name]) for a, name in aliases.items()]
+        n = len(weights)
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         self._verl_kit_reprocess_shared()
-        return len(weights)
+        del staged, weights
+        release_mappings({_shm_ref(r)[0] for r in self.__dict__.get("_verl_kit_refs", ())})
+        return n
 
     def _verl_kit_reprocess_shared(self) -> None:
         """Re-run vLLM's post-load step (`quant_method.process_weights_after_loading`, what the first load runs on
@@ -358,11 +401,15 @@ class WorkerExtension:
                 m.quant_method.process_weights_after_loading(m)
 
 
-def sync_weights(model, push: Callable[[str, float], None] | None, commit: Callable[[float], None] | None,
-                 bucket_mb: float, timeout_s: float) -> dict:
-    """Gather `model` bucket by bucket and hand each encoded bucket to `push(blob, seconds_left)`, then call
-    `commit(seconds_left)`. Processes that do not push (ranks without an engine) pass None but still take part in
-    the gathers. Raises TimeoutError once `timeout_s` is spent. Returns weight_sync/* metrics."""
+def sync_weights(model, push: Callable[[list[str], float], None] | None, commit: Callable[[float], None] | None,
+                 bucket_mb: float, timeout_s: float, shared: SharedBuckets | None = None) -> dict:
+    """Gather `model` bucket by bucket, hand the encoded buckets to `push(blobs, seconds_left)`, then call
+    `commit(seconds_left)`. Same host (`shared` given, `VERL_KIT_WEIGHT_SYNC` unset or auto, /dev/shm present): each
+    bucket is written into its slot as it is gathered and every slot's reference goes in one call after the last;
+    otherwise each bucket goes inline, in a call of its own, as it is gathered. Processes that do not push (ranks
+    without an engine) pass None but still take part in the gathers. Raises TimeoutError once `timeout_s` is spent.
+    Returns weight_sync/* metrics."""
+    same_host = shared is not None and _transport() == "shm"
     t0 = time.time()
     deadline = t0 + timeout_s
     n_bytes = n_buckets = 0
@@ -374,11 +421,16 @@ def sync_weights(model, push: Callable[[str, float], None] | None, commit: Calla
                                "the engine is slow or gone")
         return remaining
 
+    slots = []
     for tensors, aliases in gathered_buckets(model, int(bucket_mb * 2**20)):
         n_buckets += 1
         n_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-        if push is not None:
-            push(encode(tensors, aliases), left(f"bucket {n_buckets} not sent"))
+        if push is not None and same_host:  # written now (the gathered bucket can go), sent in one call below
+            slots.append(shared.encode(n_buckets - 1, tensors, aliases))
+        elif push is not None:
+            push([encode(tensors, aliases)], left(f"bucket {n_buckets} not sent"))
+    if slots:
+        push(slots, left("buckets not sent"))
     if commit is not None:
         commit(left("commit not started"))
     seconds = time.time() - t0
