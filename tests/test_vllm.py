@@ -81,7 +81,7 @@ def hf_sampling_logprobs(model, rollout, temperature) -> torch.Tensor:
 
 
 DRIVER = r'''
-import json, sys, time
+import json, os, sys, time
 sys.path.insert(0, {tests!r})
 import torch
 from test_vllm import encode, load_hf, train_step, hf_greedy, rows, hf_sampling_logprobs, PROBE_TEXTS
@@ -95,10 +95,13 @@ if __name__ == "__main__":
     prompts = encode(tok, PROBE_TEXTS)
     model = load_hf(path)
     out = {{}}
+    cpu_vars = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
+    env_before = {{k: os.environ.get(k) for k in cpu_vars}}
     t0 = time.time()
     engine = VLLMColocated(path, tok, dtype="float32", max_num_seqs=64, max_model_len=512, kv_cache_gib=1,
                            bucket_mb=0.05, probe_prompts=prompts, probe_threshold=1e-3)
     out["start_s"] = time.time() - t0
+    out["env_left"] = [k for k in cpu_vars if os.environ.get(k) != env_before[k]]
     engine.load_weights(model)  # as the recipes do before the first rollout: the probe's baseline
     sp = SamplingParams(temperature=0.7, max_new_tokens=6, n=3)
     sp.seed = 1234
@@ -158,6 +161,7 @@ def test_colocated_generate_sync_probe(tmp_path):
     assert out["version"] == 1
     assert out["moved"][0] > 1e-2 and abs(out["moved"][0] - out["moved"][1]) < 1e-3  # the engine followed the update
     assert "had no effect" in out["errors"][0] and "had no effect" in out["errors"][1], out["errors"]
+    assert out["env_left"] == []  # the engine's CPU settings do not reach processes started later
 
 
 # ---- one server for the rest of the module -----------------------------------------------------------------------

@@ -19,6 +19,7 @@ the ZeRO-3 update gets the memory back (vLLM on CPU does not support sleep mode;
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -38,18 +39,31 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def _cpu_env(kv_cache_gib: float, threads: int | None = None) -> None:
-    """vLLM's CPU settings are environment variables, read when the engine starts. `threads`: the worker computes
-    with that many OpenMP threads, bound to the first `threads` cores this process may use. None keeps vLLM's own
-    binding (VLLM_CPU_OMP_THREADS_BIND=auto, or what the user set): every core but one, which it reserves for the
-    engine core's scheduling loop; so on 2 cores the model runs on one, whatever torch uses in this process."""
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+@contextlib.contextmanager
+def _cpu_env(kv_cache_gib: float, threads: int | None = None):
+    """vLLM's CPU settings are environment variables, read by the engine's processes when they start: set while the
+    engine starts, then restored, so they do not reach processes this one starts later (a vLLM server with settings
+    of its own, which would otherwise inherit this engine's KV-cache size and core binding). `threads`: the worker
+    computes with that many OpenMP threads, bound to the first `threads` cores this process may use. None keeps
+    vLLM's own binding (VLLM_CPU_OMP_THREADS_BIND=auto, or what the user set): every core but one, which it reserves
+    for the engine core's scheduling loop; so on 2 cores the model runs on one, whatever torch uses in this process."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib))}
     if threads is not None:
         cores = sorted(os.sched_getaffinity(0))
         if not 1 <= threads <= len(cores):
             raise UserError(f"vLLM cpu_threads={threads}: this process may use {len(cores)} cores")
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[:threads]))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[:threads]))
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def vllm_sampling(params: SamplingParams):
@@ -182,8 +196,6 @@ class VLLMColocated(_Checked):
         import vllm
 
         gpu = _on_gpu()
-        if not gpu:
-            _cpu_env(kv_cache_gib, cpu_threads)
         self.sleep = enable_sleep_mode and gpu
         if enable_sleep_mode and not gpu:
             logger.warning("vLLM sleep mode is not supported on CPU: ignored")
@@ -195,11 +207,12 @@ class VLLMColocated(_Checked):
                 raise UserError("--vllm_tensor_parallel_size > 1 with a colocated engine needs one training process "
                                 "(several processes: use --rollout vllm-server)")
             kwargs["distributed_executor_backend"] = "external_launcher"
-        self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype,
-                            tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
-                            max_model_len=max_model_len, seed=seed, worker_extension_cls=WORKER_EXTENSION,
-                            logprobs_mode="processed_logprobs", enforce_eager=not gpu if enforce_eager is None
-                            else enforce_eager, **kwargs)
+        with contextlib.nullcontext() if gpu else _cpu_env(kv_cache_gib, cpu_threads):
+            self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype,
+                                tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len, seed=seed, worker_extension_cls=WORKER_EXTENSION,
+                                logprobs_mode="processed_logprobs", enforce_eager=not gpu if enforce_eager is None
+                                else enforce_eager, **kwargs)
         self.tokenizer = tokenizer
         self.bucket_mb, self.sync_timeout_s = bucket_mb, sync_timeout_s
         self.probe = Probe(probe_prompts, probe_threshold or default_probe_threshold(dtype)) if probe_prompts else None
