@@ -258,3 +258,44 @@ def test_sweep_removes_buckets_of_dead_writers():
         for path in (orphan, mine, other):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_slots_round_trip_reuse_and_refusals():
+    """The same-host transport's two ends in one process (SharedBuckets writes, the worker's `decode` reads): tensors
+    of mixed dtypes and an alias arrive exactly; the next write of a bucket of the same size reuses the slot file
+    with a fresh token, so the previous reference is refused; a larger bucket gets a new slot and the old file goes;
+    the worker forgets mappings of slots no longer in use; close() removes the files."""
+    import os
+
+    from verl_kit import weight_sync
+
+    shared = weight_sync.SharedBuckets()
+    first = {"model.embed_tokens.weight": torch.randn(3, 5), "model.norm.weight": torch.randn(7).bfloat16(),
+             "positions": torch.arange(4)}
+    try:
+        blob = shared.encode(0, first, {"lm_head.weight": "model.embed_tokens.weight"})
+        got, aliases = weight_sync.decode(blob)
+        assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+        assert got.keys() == first.keys() and all(torch.equal(got[k], v) for k, v in first.items())
+        path = shared.slots[0][0]
+        assert os.path.dirname(path) == weight_sync.shm_dir() and os.stat(path).st_mode & 0o777 == 0o600
+
+        second = {k: v + 1 for k, v in first.items()}
+        blob2 = shared.encode(0, second)
+        assert shared.slots[0][0] == path and blob2 != blob
+        got, aliases = weight_sync.decode(blob2)
+        assert aliases == {} and all(torch.equal(got[k], v) for k, v in second.items())
+        with pytest.raises(PermissionError, match="token"):
+            weight_sync.decode(blob)
+
+        big = torch.randn(64, 64)
+        blob3 = shared.encode(0, {"model.embed_tokens.weight": big})
+        new_path = shared.slots[0][0]
+        assert new_path != path and not os.path.exists(path)
+        assert torch.equal(weight_sync.decode(blob3)[0]["model.embed_tokens.weight"], big)
+        del got
+        weight_sync.release_mappings({new_path})
+        assert set(weight_sync._MAPPED) == {new_path}
+    finally:
+        shared.close()
+    assert not shared.slots and not os.path.exists(path) and not os.path.exists(new_path)

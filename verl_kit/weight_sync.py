@@ -242,10 +242,11 @@ class SharedBuckets:
     def encode(self, index: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> str:
         token = secrets.token_hex(16)
         head, offsets, size = _layout(tensors, {**({_ALIASES: json.dumps(aliases)} if aliases else {}), _TOKEN: token})
-        if index < len(self.slots) and len(self.slots[index][1]) < size:  # the bucket grew: a new, larger slot
-            self._remove(index)
         if index >= len(self.slots):
             self.slots.append(self._create(size))
+        elif len(self.slots[index][1]) < size:  # the bucket grew: a new, larger slot
+            self._remove(index)
+            self.slots[index] = self._create(size)
         path, buf = self.slots[index]
         out = torch.frombuffer(buf, dtype=torch.uint8, count=size)
         out[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
