@@ -299,3 +299,10 @@ def test_slots_round_trip_reuse_and_refusals():
     finally:
         shared.close()
     assert not shared.slots and not os.path.exists(path) and not os.path.exists(new_path)
+
+    dropped = weight_sync.SharedBuckets()  # a run that fails never calls close(): the slots go with the object
+    dropped.encode(0, first)
+    orphan = dropped.slots[0][0]
+    assert os.path.exists(orphan)
+    del dropped
+    assert not os.path.exists(orphan)

@@ -53,6 +53,7 @@ import re
 import secrets
 import stat
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -231,13 +232,16 @@ class SharedBuckets:
     worker maps each slot once and keeps the mapping (`decode`). Reusing the slots matters on CPU: a fresh tmpfs file
     or mapping pays a page fault and a zeroed page per 4 KiB on both sides (80 MB: ~30 ms to write a new file here,
     against ~13 ms to copy into pages already there). The cost: the slots hold one copy of the synced weights in
-    /dev/shm for the backend's life (a killed trainer's slots are removed by the next sync's sweep, by pid).
+    /dev/shm for the backend's life (also removed when the object is collected or the interpreter exits, as after a
+    failed run; a killed trainer's are removed by the next sync's sweep, by pid).
 
     The worker reads a slot only between the push of its reference and the end of the commit; the trainer writes it
     again only in the next sync, after that commit returned (the sync is synchronous: push, push, ..., commit)."""
 
     def __init__(self):
         self.slots: list[tuple[str, mmap.mmap]] = []
+        self._paths: list[str] = []  # also removed when this object goes or the interpreter exits (a run that failed)
+        weakref.finalize(self, _unlink_all, self._paths)
 
     def encode(self, index: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> str:
         token = secrets.token_hex(16)
@@ -257,15 +261,15 @@ class SharedBuckets:
         del out  # no view may outlive the call: close() unmaps
         return SHM_PREFIX + json.dumps([path, token])
 
-    @staticmethod
-    def _create(size: int) -> tuple[str, mmap.mmap]:
+    def _create(self, size: int) -> tuple[str, mmap.mmap]:
         path = os.path.join(shm_dir(), f"{os.getpid()}-{secrets.token_hex(16)}.safetensors")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self._paths.append(path)
         try:
             os.ftruncate(fd, size)
             return path, mmap.mmap(fd, size)
         except BaseException:
-            os.unlink(path)
+            _unlink_all([path])
             raise
         finally:
             os.close(fd)
@@ -273,14 +277,20 @@ class SharedBuckets:
     def _remove(self, index: int) -> None:
         path, buf = self.slots[index]
         buf.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        _unlink_all([path])
+        self._paths.remove(path)
 
     def close(self) -> None:
         """Remove the slots (the engine's worker may keep its mapping of them until it exits)."""
         for i in range(len(self.slots)):
             self._remove(i)
         self.slots.clear()
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _shm_ref(blob: str) -> tuple[str, str]:
