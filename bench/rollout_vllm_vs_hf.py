@@ -166,8 +166,22 @@ def measure(args, dtype: str, path: str, tok, prompts: list[list[int]], sweep_b:
                   f"ratio {row['vllm_tokens_per_s'] / row['hf_tokens_per_s']:.2f}  "
                   f"load {row['load']:.1f}", flush=True)
 
+    syncs = weight_syncs(engine, model, args.syncs)
+    engine.close()
+    return {"hf_seconds": hf_s, "vllm_seconds": vllm_s, "hf_tokens_per_s": hf_tps, "vllm_tokens_per_s": vllm_tps,
+            "ratio": vllm_tps / hf_tps, "compute_cpu_s": compute_s, "cpu_ratio": cpu_ratio, "sweep": sweep,
+            "loadavg": loads, "syncs": syncs,
+            "weight_sync_s": {k: median([m["weight_sync/seconds"] for m in v]) for k, v in syncs.items()},
+            "weight_sync_bytes_per_s": {k: median([m["weight_sync/bytes_per_s"] for m in v]) for k, v in syncs.items()}}
+
+
+def weight_syncs(engine, model, n: int) -> dict[str, list[dict]]:
+    """`n` syncs of the (slightly changed each time) trainer model into the engine per transport, alternating the
+    same-host one (shm) and the inline one: their weight_sync/* and probe metrics."""
+    import torch
+
     syncs = {"shm": [], "inline": []}
-    for i in range(args.syncs):
+    for i in range(n):
         for transport in ("shm", "inline")[:: 1 if i % 2 == 0 else -1]:
             with torch.no_grad():
                 for p in model.parameters():
@@ -176,12 +190,7 @@ def measure(args, dtype: str, path: str, tok, prompts: list[list[int]], sweep_b:
             syncs[transport].append(engine.load_weights(model))
             print(f"sync {i + 1} {transport}: {syncs[transport][-1]}", flush=True)
     os.environ.pop("VERL_KIT_WEIGHT_SYNC")
-    engine.close()
-    return {"hf_seconds": hf_s, "vllm_seconds": vllm_s, "hf_tokens_per_s": hf_tps, "vllm_tokens_per_s": vllm_tps,
-            "ratio": vllm_tps / hf_tps, "compute_cpu_s": compute_s, "cpu_ratio": cpu_ratio, "sweep": sweep,
-            "loadavg": loads, "syncs": syncs,
-            "weight_sync_s": {k: median([m["weight_sync/seconds"] for m in v]) for k, v in syncs.items()},
-            "weight_sync_bytes_per_s": {k: median([m["weight_sync/bytes_per_s"] for m in v]) for k, v in syncs.items()}}
+    return syncs
 
 
 def main() -> None:

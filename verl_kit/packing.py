@@ -3,7 +3,10 @@
 Packed rows hold several sequences back to back. Position ids restart at 0 for each sequence, and attention is kept
 inside each sequence by a block-diagonal causal mask (4D, additive, for sdpa/eager on CPU). With flash-attention the
 mask is dropped: transformers' varlen path reads sequence boundaries from the restarting position ids. On CPU,
-position ids alone do NOT separate sequences under sdpa, which is why the mask is built there.
+position ids alone separate sequences under sdpa only while no KV cache exists: transformers infers packed sequences
+from them only when both attention_mask and past_key_values are None, and a forward with use_cache on (the config
+default) makes a cache first, so the sequences attend to each other (measured on the tiny model: 0.85 in the logits
+against 4e-7 with use_cache=False). The explicit mask holds either way, which is why it is built there.
 """
 
 from __future__ import annotations

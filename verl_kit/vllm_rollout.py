@@ -154,8 +154,10 @@ class _Checked:
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    _shared: SharedBuckets | None = None  # the same-host slots, created at the first sync that uses them
+
     def _close_shared(self) -> None:
-        if getattr(self, "_shared", None) is not None:
+        if self._shared is not None:
             self._shared.close()
 
     @property
@@ -171,10 +173,10 @@ class _Checked:
         """Weight sync + probe. Collective: every training process calls it at the same point, after each update.
         Returns weight_sync/* metrics (`version`: the optimizer step that produced these weights, the policy version
         the next rollouts come from) and the probe's rollout/* metrics; raises RuntimeError when the probe fails."""
-        if self.pushes and self.same_host and getattr(self, "_shared", None) is None:
+        if self.pushes and self.same_host and self._shared is None:
             self._shared = SharedBuckets()
         metrics = sync_weights(actor, self._push if self.pushes else None, self._commit if self.pushes else None,
-                               self.bucket_mb, self.sync_timeout_s, getattr(self, "_shared", None))
+                               self.bucket_mb, self.sync_timeout_s, self._shared)
         metrics["weight_sync/version"] = version
         if self.probe is not None:
             metrics.update(self.probe.check(self.score, actor, self.pushes))
