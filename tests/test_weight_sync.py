@@ -10,6 +10,9 @@ a tied engine scored with the output layer of its first load: 0.5 to 2 nats off 
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -149,7 +152,6 @@ def test_same_host_transport(models, tmp_path, monkeypatch):
     them. The worker refuses references that name any other file (the endpoint takes them from HTTP clients): a file
     outside the folder, one inside it under another name, a link named like a bucket, a path with '..'. Then the
     inline path (VERL_KIT_WEIGHT_SYNC=inline) on the same engine, exact too."""
-    import os
 
     import requests
 
@@ -239,8 +241,6 @@ def test_grpo_zero3_tied_model_with_vllm(models, tmp_path):
 def test_sweep_removes_buckets_of_dead_writers():
     """A trainer SIGKILLed (or one that never closed its backend) leaves its slot files in /dev/shm: the next process
     that syncs removes the files of writers that are gone, and only those."""
-    import os
-
     from verl_kit import weight_sync
 
     folder = weight_sync.shm_dir()
@@ -265,8 +265,6 @@ def test_slots_round_trip_reuse_and_refusals():
     of mixed dtypes and an alias arrive exactly; the next write of a bucket of the same size reuses the slot file
     with a fresh token, so the previous reference is refused; a larger bucket gets a new slot and the old file goes;
     the worker forgets mappings of slots no longer in use; close() removes the files."""
-    import os
-
     from verl_kit import weight_sync
 
     shared = weight_sync.SharedBuckets()
@@ -306,3 +304,53 @@ def test_slots_round_trip_reuse_and_refusals():
     assert os.path.exists(orphan)
     del dropped
     assert not os.path.exists(orphan)
+
+
+FULL_SHM_DRIVER = r'''
+import json, logging, os, sys
+import torch
+from verl_kit import weight_sync
+from verl_kit.models import load_causal_lm
+
+logging.basicConfig(level=logging.WARNING)
+model = load_causal_lm(sys.argv[1], "sdpa")
+shared = weight_sync.SharedBuckets()
+got, kinds = {}, []
+
+def push(blobs, seconds):  # the worker's end: decode every bucket (a slot reference or inline base64)
+    kinds.append(["shm" if b.startswith(weight_sync.SHM_PREFIX) else "inline" for b in blobs])
+    for b in blobs:
+        got.update({k: v.clone() for k, v in weight_sync.decode(b)[0].items()})
+
+syncs = []
+for i in range(2):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    got.clear(), kinds.clear()
+    weight_sync.sync_weights(model, push, lambda seconds: None, 0.25, 60, shared)
+    exact = all(torch.equal(got[weight_sync.engine_name(n)], p) for n, p in model.named_parameters())
+    syncs.append({"kinds": kinds[:], "exact": exact, "slots": len(shared.slots)})
+print("RESULT " + json.dumps({"syncs": syncs, "left": os.listdir(weight_sync.shm_dir())}), flush=True)
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root to mount a small tmpfs")
+def test_full_shm_falls_back_to_inline(tiny_model_path):
+    """A /dev/shm too small for the weights (a container's default is 64 MiB): here a 1 MiB tmpfs mounted over
+    /dev/shm in a private mount namespace, a 3 MB model in 0.25 MiB buckets. The slots that fit go through shared
+    memory, the bucket that does not fit and every later one go inline, with one warning that names the folder; both
+    syncs arrive exact, the slots are removed after the first, and nothing is left in the folder."""
+    script = (f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -c "
+              f"{shlex.quote(FULL_SHM_DRIVER)} {shlex.quote(tiny_model_path)}")
+    p = subprocess.run(["unshare", "-m", "bash", "-c", script], cwd=REPO, env=env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.split("RESULT ", 1)[1])
+    first, second = out["syncs"]
+    assert first["exact"] and second["exact"], out
+    assert first["kinds"][-1] and set(first["kinds"][-1]) == {"shm"}, out  # the slots that fit, in one call
+    assert ["inline"] in first["kinds"] and second["slots"] == 0, out
+    assert all(k == ["inline"] for k in second["kinds"]) and out["left"] == [], out
+    warnings = [line for line in p.stderr.splitlines() if "/dev/shm/verl_kit-" in line and "inline" in line]
+    assert len(warnings) == 1, p.stderr[-3000:]

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -241,6 +242,7 @@ class SharedBuckets:
     def __init__(self):
         self.slots: list[tuple[str, mmap.mmap]] = []
         self._paths: list[str] = []  # also removed when this object goes or the interpreter exits (a run that failed)
+        self.full = False  # a slot did not fit in /dev/shm: this backend sends inline from then on (sync_weights)
         weakref.finalize(self, _unlink_all, self._paths)
 
     def encode(self, index: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> str:
@@ -249,8 +251,9 @@ class SharedBuckets:
         if index >= len(self.slots):
             self.slots.append(self._create(size))
         elif len(self.slots[index][1]) < size:  # the bucket grew: a new, larger slot
+            grown = self._create(size)
             self._remove(index)
-            self.slots[index] = self._create(size)
+            self.slots[index] = grown
         path, buf = self.slots[index]
         out = torch.frombuffer(buf, dtype=torch.uint8, count=size)
         out[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
@@ -266,7 +269,8 @@ class SharedBuckets:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         self._paths.append(path)
         try:
-            os.ftruncate(fd, size)
+            # The pages now: a full tmpfs fails here with ENOSPC, not with a SIGBUS at the first write into the mapping.
+            os.posix_fallocate(fd, 0, size)
             return path, mmap.mmap(fd, size)
         except BaseException:
             _unlink_all([path])
@@ -417,10 +421,12 @@ def sync_weights(model, push: Callable[[list[str], float], None] | None, commit:
     """Gather `model` bucket by bucket, hand the encoded buckets to `push(blobs, seconds_left)`, then call
     `commit(seconds_left)`. Same host (`shared` given, `VERL_KIT_WEIGHT_SYNC` unset or auto, /dev/shm present): each
     bucket is written into its slot as it is gathered and every slot's reference goes in one call after the last;
-    otherwise each bucket goes inline, in a call of its own, as it is gathered. Processes that do not push (ranks
+    otherwise each bucket goes inline, in a call of its own, as it is gathered. A /dev/shm with no room for a slot
+    (ENOSPC): that bucket and every later one, in this sync and the next, go inline, with one warning, and the slots
+    are removed after the commit. Processes that do not push (ranks
     without an engine) pass None but still take part in the gathers. Raises TimeoutError once `timeout_s` is spent.
     Returns weight_sync/* metrics."""
-    same_host = shared is not None and _transport() == "shm"
+    same_host = shared is not None and not shared.full and _transport() == "shm"
     t0 = time.time()
     deadline = t0 + timeout_s
     n_bytes = n_buckets = 0
@@ -437,13 +443,27 @@ def sync_weights(model, push: Callable[[list[str], float], None] | None, commit:
         n_buckets += 1
         n_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         if push is not None and same_host:  # written now (the gathered bucket can go), sent in one call below
-            slots.append(shared.encode(n_buckets - 1, tensors, aliases))
-        elif push is not None:
+            try:
+                slots.append(shared.encode(n_buckets - 1, tensors, aliases))
+                continue
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                shared.full, same_host = True, False
+                folder = shm_dir()
+                vfs = os.statvfs(folder)
+                free = vfs.f_bavail * vfs.f_frsize
+                logger.warning("weight sync: %s is full (%.0f MiB free, %.0f MiB of weights so far): sending the "
+                               "weights inline from now on (~10x slower; a container's /dev/shm is 64 MiB unless "
+                               "started with a larger --shm-size)", folder, free / 2**20, n_bytes / 2**20)
+        if push is not None:
             push([encode(tensors, aliases)], left(f"bucket {n_buckets} not sent"))
     if slots:
         push(slots, left("buckets not sent"))
     if commit is not None:
         commit(left("commit not started"))
+    if shared is not None and shared.full:
+        shared.close()  # the worker read them in the commit; later syncs go inline
     seconds = time.time() - t0
     return {"weight_sync/seconds": seconds, "weight_sync/bytes": n_bytes, "weight_sync/buckets": n_buckets,
             "weight_sync/bytes_per_s": n_bytes / max(seconds, 1e-9)}
