@@ -214,9 +214,28 @@ def test_same_host_transport(models, tmp_path, monkeypatch):
         out = sync_check(client, model, tok, prompts)
         assert_synced(out)
         assert inline_sent and not sent and not any(b.startswith(weight_sync.SHM_PREFIX) for b in inline_sent)
-        client.close()
+        monkeypatch.delenv("VERL_KIT_WEIGHT_SYNC")
+        assert_synced(sync_check(client, model, tok, prompts))  # the slots again, so the server maps them
+        assert slot_mappings(server.proc.pid) == set(files)
+        client.close()  # the server stays (not this client's): it is asked to unmap the slots
         assert not any(os.path.exists(f) for f in files) and not client._shared.slots
+        assert slot_mappings(server.proc.pid) == set()
     print(f"same-host transport: {out}")
+
+
+def slot_mappings(pid: int) -> set[str]:
+    """The slot files that process `pid` or any of its descendants (the engine's worker) has mapped."""
+    import psutil
+
+    from verl_kit import weight_sync
+
+    folder, found = weight_sync.shm_dir(), set()
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        with open(f"/proc/{p.pid}/maps") as f:
+            found |= {line.split(maxsplit=5)[5].strip().removesuffix(" (deleted)") for line in f
+                      if folder in line}
+    return found
 
 
 def test_grpo_zero3_tied_model_with_vllm(models, tmp_path):

@@ -364,9 +364,17 @@ class VLLMServer(_Checked):
         return to_rollout(prompts_n, completions, self.tokenizer.pad_token_id)
 
     def close(self) -> None:
-        """Stop the server if this client's run started it."""
+        """Stop the server if this client's run started it. A server that stays (`--vllm_server_url`) is asked to
+        unmap this run's slots, whose memory would otherwise stay held in /dev/shm until the next run's first sync."""
         if getattr(self, "server", None) is not None:
             self.server.stop()
+        elif self._shared is not None and self._shared.slots:
+            try:
+                self._request("POST", "/collective_rpc", {"method": "verl_kit_release", "args": [],
+                                                          "timeout": self.connect_timeout_s},
+                              self.connect_timeout_s, retries=0)
+            except RuntimeError as e:  # a server that is gone holds nothing
+                logger.warning("vLLM server %s: slots not released: %s", self.url, e)
         self._close_shared()
 
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:

@@ -391,6 +391,15 @@ class WorkerExtension:
         release_mappings({_shm_ref(r)[0] for r in self.__dict__.get("_verl_kit_refs", ())})
         return n
 
+    def verl_kit_release(self) -> int:
+        """Drop what a trainer staged and every slot mapping (it closed its backend: the slots' memory goes once
+        unmapped). Returns the number of mappings dropped."""
+        for key in ("_verl_kit_staged", "_verl_kit_aliases", "_verl_kit_refs"):
+            self.__dict__.pop(key, None)
+        n = len(_MAPPED)
+        release_mappings(set())
+        return n
+
     def _verl_kit_reprocess_shared(self) -> None:
         """Re-run vLLM's post-load step (`quant_method.process_weights_after_loading`, what the first load runs on
         every module once all weights are in) on each module that shares a parameter with another module. The
