@@ -111,6 +111,11 @@ if __name__ == "__main__":
     out["mask_sum"] = int(ro.response_mask.sum())
     out["logprob_diff_sampling"] = float((ro.sampling_logprobs - hf_sampling_logprobs(model, ro, 0.7)).abs().max())
     out["same_seed_same_tokens"] = rows(engine.generate(prompts, sp)) == rows(ro)
+    # Seeded prompts beyond one step's token budget (4096): 12 x 400 tokens (chunked prefill killed the CPU engine)
+    long = [list(range(5 + i, 405 + i)) for i in range(12)]
+    sp_long = SamplingParams(temperature=1.0, max_new_tokens=4, n=1)
+    sp_long.seed = 99
+    out["long_seeded_same"] = rows(engine.generate(long, sp_long)) == rows(engine.generate(long, sp_long))
     before = hf_greedy(model, tok, prompts)
     out["greedy_before"] = rows(engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))) == before
     train_step(model, tok)
@@ -150,7 +155,7 @@ def test_colocated_generate_sync_probe(tmp_path):
     assert out["n_prompts"] == 12 and out["shape"][0] == 12 and out["shape"][1] <= 6
     assert out["mask_sum"] > 12
     assert out["logprob_diff_sampling"] < 1e-3  # processed log-probs = HF log-probs at temperature 0.7
-    assert out["same_seed_same_tokens"]
+    assert out["same_seed_same_tokens"] and out["long_seeded_same"]
     assert out["greedy_before"]
     assert out["greedy_changed"], "the training step must change greedy outputs for the test to mean anything"
     assert out["greedy_after"]

@@ -201,7 +201,12 @@ class VLLMColocated(_Checked):
         self.sleep = enable_sleep_mode and gpu
         if enable_sleep_mode and not gpu:
             logger.warning("vLLM sleep mode is not supported on CPU: ignored")
-        kwargs = dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep) if gpu else {}
+        # On CPU, no chunked prefill: vLLM rewinds the random generator of a seeded request whose prompt it prefills
+        # in pieces (its sampled token is discarded), and a CPU generator has no offset to rewind, so the engine died
+        # ("CPU Generator does not use offset") on the first step whose prompts exceeded its token budget (4096): any
+        # seeded rollout of a realistic size (every sample is seeded, see generate). Whole prompts per step instead.
+        kwargs = (dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep) if gpu
+                  else dict(enable_chunked_prefill=False))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if gpu and world > 1:
             # One engine per training process on that process's GPU (TRL's colocate layout). Not run in CI.
