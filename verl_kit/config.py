@@ -182,6 +182,12 @@ class OnlineConfig(TrainConfig, RolloutConfig):
                 raise UserError(f"--{e}") from None
         if self.prompts_per_step % world:
             raise UserError(f"--prompts_per_step {self.prompts_per_step} must be a multiple of the {world} processes")
+        if self.max_prompt_length + self.max_completion_length > self.max_length:
+            # Else the backends would disagree: HF generate made the full response, a vLLM engine (its context is
+            # --max_length) cut it short.
+            raise UserError(f"--max_prompt_length {self.max_prompt_length} + --max_completion_length "
+                            f"{self.max_completion_length} exceed --max_length {self.max_length}: raise --max_length "
+                            "or lower one of them")
 
     @property
     def importance_sampling(self) -> bool:
