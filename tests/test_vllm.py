@@ -201,6 +201,10 @@ def test_server_generate(client, tokenizer, tiny_model_path):
     assert ro.prompt_ids == [p for p in prompts for _ in range(2)]
     assert bool((ro.sampling_logprobs[ro.response_mask] <= 0).all())
     assert rows(client.generate(prompts, sp)) == rows(ro)  # the seed is honoured
+    long = [list(range(5 + i, 405 + i)) for i in range(12)]  # seeded, beyond one step's 4096 tokens (see colocated)
+    sp_long = SamplingParams(temperature=1.0, max_new_tokens=4, n=1)
+    sp_long.seed = 99
+    assert rows(client.generate(long, sp_long)) == rows(client.generate(long, sp_long))
     sp_stop = SamplingParams(temperature=0.0, max_new_tokens=8)
     greedy = client.generate(prompts[:1], sp_stop)
     first = tokenizer.decode(rows(greedy)[0][:1])

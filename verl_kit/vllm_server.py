@@ -66,7 +66,9 @@ def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype:
             *(["--max-model-len", str(max_model_len)] if max_model_len else []),
             "--worker-extension-cls", WORKER_EXTENSION,
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
-            *([] if torch.cuda.is_available() else ["--enforce-eager"]), *extra]
+            # CPU: no chunked prefill, as for the colocated engine (vllm_rollout.VLLMColocated): a seeded request
+            # whose prompt is prefilled in pieces kills a CPU engine.
+            *([] if torch.cuda.is_available() else ["--enforce-eager", "--no-enable-chunked-prefill"]), *extra]
 
 
 def auth_headers() -> dict:
