@@ -432,9 +432,8 @@ def sync_weights(model, push: Callable[[list[str], float], None] | None, commit:
     bucket is written into its slot as it is gathered and every slot's reference goes in one call after the last;
     otherwise each bucket goes inline, in a call of its own, as it is gathered. A /dev/shm with no room for a slot
     (ENOSPC): that bucket and every later one, in this sync and the next, go inline, with one warning, and the slots
-    are removed after the commit. Processes that do not push (ranks
-    without an engine) pass None but still take part in the gathers. Raises TimeoutError once `timeout_s` is spent.
-    Returns weight_sync/* metrics."""
+    are removed after the commit. Processes that do not push (ranks without an engine) pass None but still take part
+    in the gathers. Raises TimeoutError once `timeout_s` is spent. Returns weight_sync/* metrics."""
     same_host = shared is not None and not shared.full and _transport() == "shm"
     t0 = time.time()
     deadline = t0 + timeout_s
