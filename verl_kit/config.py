@@ -37,7 +37,9 @@ class TrainConfig:
     max_steps: int = field(default=-1, metadata={"help": "optimizer steps; -1 derives them from num_train_epochs"})
     num_train_epochs: float = field(default=1.0, metadata={"help": "passes over the train split (if max_steps=-1)"})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "examples per process per micro-step"})
-    per_device_eval_batch_size: int = field(default=16, metadata={"help": "examples per process per eval forward"})
+    per_device_eval_batch_size: int = field(default=16, metadata={
+        "help": "examples per process per no-grad forward: held-out evaluation (SFT, RM, DPO, KTO), reward-model "
+                "scoring (PPO, GRPO; their held-out generation takes prompts_per_step / processes per call)"})
     learning_rate: float = field(default=5e-4, metadata={"help": "peak AdamW learning rate"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     warmup_ratio: float = field(default=0.0, metadata={"help": "fraction of steps for linear warm-up"})
