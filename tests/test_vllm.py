@@ -80,11 +80,21 @@ def hf_sampling_logprobs(model, rollout, temperature) -> torch.Tensor:
     return out
 
 
+def long_seeded():
+    """(prompts, params): 12 seeded 400-token prompts, beyond one step's token budget (4096). vLLM prefills one of
+    them in pieces under chunked prefill, which killed a CPU engine ("CPU Generator does not use offset")."""
+    from verl_kit.rollout import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, n=1)
+    params.seed = 99
+    return [list(range(5 + i, 405 + i)) for i in range(12)], params
+
+
 DRIVER = r'''
 import json, os, sys, time
 sys.path.insert(0, {tests!r})
 import torch
-from test_vllm import encode, load_hf, train_step, hf_greedy, rows, hf_sampling_logprobs, PROBE_TEXTS
+from test_vllm import encode, long_seeded, load_hf, train_step, hf_greedy, rows, hf_sampling_logprobs, PROBE_TEXTS
 from verl_kit.models import load_tokenizer, resolve_model_path
 from verl_kit.rollout import SamplingParams
 from verl_kit.vllm_rollout import VLLMColocated
@@ -111,11 +121,7 @@ if __name__ == "__main__":
     out["mask_sum"] = int(ro.response_mask.sum())
     out["logprob_diff_sampling"] = float((ro.sampling_logprobs - hf_sampling_logprobs(model, ro, 0.7)).abs().max())
     out["same_seed_same_tokens"] = rows(engine.generate(prompts, sp)) == rows(ro)
-    # Seeded prompts beyond one step's token budget (4096): 12 x 400 tokens (chunked prefill killed the CPU engine)
-    long = [list(range(5 + i, 405 + i)) for i in range(12)]
-    sp_long = SamplingParams(temperature=1.0, max_new_tokens=4, n=1)
-    sp_long.seed = 99
-    out["long_seeded_same"] = rows(engine.generate(long, sp_long)) == rows(engine.generate(long, sp_long))
+    out["long_seeded_same"] = rows(engine.generate(*long_seeded())) == rows(engine.generate(*long_seeded()))
     before = hf_greedy(model, tok, prompts)
     out["greedy_before"] = rows(engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))) == before
     train_step(model, tok)
@@ -201,10 +207,7 @@ def test_server_generate(client, tokenizer, tiny_model_path):
     assert ro.prompt_ids == [p for p in prompts for _ in range(2)]
     assert bool((ro.sampling_logprobs[ro.response_mask] <= 0).all())
     assert rows(client.generate(prompts, sp)) == rows(ro)  # the seed is honoured
-    long = [list(range(5 + i, 405 + i)) for i in range(12)]  # seeded, beyond one step's 4096 tokens (see colocated)
-    sp_long = SamplingParams(temperature=1.0, max_new_tokens=4, n=1)
-    sp_long.seed = 99
-    assert rows(client.generate(long, sp_long)) == rows(client.generate(long, sp_long))
+    assert rows(client.generate(*long_seeded())) == rows(client.generate(*long_seeded()))
     sp_stop = SamplingParams(temperature=0.0, max_new_tokens=8)
     greedy = client.generate(prompts[:1], sp_stop)
     first = tokenizer.decode(rows(greedy)[0][:1])

@@ -152,7 +152,6 @@ def test_same_host_transport(models, tmp_path, monkeypatch):
     them. The worker refuses references that name any other file (the endpoint takes them from HTTP clients): a file
     outside the folder, one inside it under another name, a link named like a bucket, a path with '..'. Then the
     inline path (VERL_KIT_WEIGHT_SYNC=inline) on the same engine, exact too."""
-
     import requests
 
     from verl_kit import weight_sync

@@ -113,7 +113,7 @@ def _frozen_left_out(accelerator, active: bool, loading: str | None = None):
     non-strict module load, the trainable values coming back from the optimizer's partitions); for plain models a
     pre-hook drops them from the saved weights, and on load the saved names must be exactly the trainable ones
     before the model is loaded non-strictly."""
-    from accelerate.utils import DistributedType
+    from accelerate.utils import SAFE_MODEL_NAME, DistributedType
 
     if not active:
         yield {}
@@ -132,7 +132,7 @@ def _frozen_left_out(accelerator, active: bool, loading: str | None = None):
         from safetensors import safe_open
 
         for i, model in enumerate(models):
-            file = os.path.join(input_dir, f"model{f'_{i}' if i else ''}.safetensors")
+            file = os.path.join(input_dir, f"{SAFE_MODEL_NAME}{f'_{i}' if i else ''}.safetensors")  # as accelerate
             with safe_open(file, "pt") as f:
                 saved = set(f.keys())
             expected = set(model.state_dict()) - _frozen_names(model)

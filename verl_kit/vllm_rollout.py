@@ -333,9 +333,9 @@ class VLLMServer(_Checked):
         raise RuntimeError(f"vLLM server {self.url}{path} unreachable after {retries + 1} attempts: "
                            f"{str(last).splitlines()[0][:300]}")
 
-    def _rpc(self, method: str, args: list[str], seconds: float):
+    def _rpc(self, method: str, args: list[str], seconds: float, retries: int | None = None):
         body = {"method": method, "args": args, "timeout": seconds}
-        return self._request("POST", "/collective_rpc", body, seconds)
+        return self._request("POST", "/collective_rpc", body, seconds, retries)
 
     @property
     def same_host(self) -> bool:
@@ -375,9 +375,7 @@ class VLLMServer(_Checked):
             self.server.stop()
         elif self._shared is not None and self._shared.slots:
             try:
-                self._request("POST", "/collective_rpc", {"method": "verl_kit_release", "args": [],
-                                                          "timeout": self.connect_timeout_s},
-                              self.connect_timeout_s, retries=0)
+                self._rpc("verl_kit_release", [], self.connect_timeout_s, retries=0)
             except RuntimeError as e:  # a server that is gone holds nothing
                 logger.warning("vLLM server %s: slots not released: %s", self.url, e)
         self._close_shared()

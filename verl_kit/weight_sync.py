@@ -245,15 +245,27 @@ class SharedBuckets:
         self.full = False  # a slot did not fit in /dev/shm: this backend sends inline from then on (sync_weights)
         weakref.finalize(self, _unlink_all, self._paths)
 
-    def encode(self, index: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> str:
+    def encode(self, index: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> str | None:
+        """The bucket written into slot `index`; its reference. None when /dev/shm has no room for the slot: `full`
+        is then set (one warning), and the caller sends this bucket and every later one inline."""
         token = secrets.token_hex(16)
         head, offsets, size = _layout(tensors, {**({_ALIASES: json.dumps(aliases)} if aliases else {}), _TOKEN: token})
-        if index >= len(self.slots):
-            self.slots.append(self._create(size))
-        elif len(self.slots[index][1]) < size:  # the bucket grew: a new, larger slot
-            grown = self._create(size)
-            self._remove(index)
-            self.slots[index] = grown
+        try:
+            if index >= len(self.slots):
+                self.slots.append(self._create(size))
+            elif len(self.slots[index][1]) < size:  # the bucket grew: a new, larger slot
+                grown = self._create(size)
+                self._remove(index)
+                self.slots[index] = grown
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            self.full = True
+            vfs = os.statvfs(shm_dir())
+            logger.warning("weight sync: %s is full (%.0f MiB free, a %.0f MiB bucket to place): sending the weights "
+                           "inline from now on (~10x slower; a container's /dev/shm is 64 MiB unless started with a "
+                           "larger --shm-size)", shm_dir(), vfs.f_bavail * vfs.f_frsize / 2**20, size / 2**20)
+            return None
         path, buf = self.slots[index]
         out = torch.frombuffer(buf, dtype=torch.uint8, count=size)
         out[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
@@ -451,19 +463,11 @@ def sync_weights(model, push: Callable[[list[str], float], None] | None, commit:
         n_buckets += 1
         n_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         if push is not None and same_host:  # written now (the gathered bucket can go), sent in one call below
-            try:
-                slots.append(shared.encode(n_buckets - 1, tensors, aliases))
+            ref = shared.encode(n_buckets - 1, tensors, aliases)
+            if ref is not None:
+                slots.append(ref)
                 continue
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise
-                shared.full, same_host = True, False
-                folder = shm_dir()
-                vfs = os.statvfs(folder)
-                free = vfs.f_bavail * vfs.f_frsize
-                logger.warning("weight sync: %s is full (%.0f MiB free, %.0f MiB of weights so far): sending the "
-                               "weights inline from now on (~10x slower; a container's /dev/shm is 64 MiB unless "
-                               "started with a larger --shm-size)", folder, free / 2**20, n_bytes / 2**20)
+            same_host = False  # /dev/shm is full: this bucket and the rest inline
         if push is not None:
             push([encode(tensors, aliases)], left(f"bucket {n_buckets} not sent"))
     if slots:
