@@ -91,7 +91,7 @@ DASHBOARD_HOST ?=
 UP_ARGS ?=
 DASHBOARD ?= http://127.0.0.1:8265
 JOB ?=
-CLUSTER := $(PY) -m verl_kit.cluster
+CLUSTER := $(PY) -m verl_kit.launch.cluster
 
 .PHONY: cluster-up cluster-run cluster-status cluster-logs cluster-stop cluster-down
 
@@ -129,5 +129,5 @@ VLLM_ARGS ?=
 .PHONY: vllm-serve
 
 vllm-serve: install
-	$(PY) -m verl_kit.vllm_server serve --model $(MODEL) --port $(VLLM_PORT) $(VLLM_ARGS)
+	$(PY) -m verl_kit.rollout.vllm_server serve --model $(MODEL) --port $(VLLM_PORT) $(VLLM_ARGS)
 # ---- end of vLLM server --------------------------------------------------------------------------------------------

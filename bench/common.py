@@ -40,7 +40,7 @@ def bench_env() -> dict:
 
 def build_model(out_dir: Path = RESULTS / "cache" / "tiny-llama-20m") -> str:
     """The bench model (built once, then reused): verl_kit's tiny Llama scaled up to ~20M parameters."""
-    from verl_kit.tiny import build_tiny_model
+    from verl_kit.models import build_tiny_model
 
     if not (out_dir / "config.json").is_file():
         out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -58,7 +58,7 @@ def count_parameters(model_dir: str) -> int:
 def _word_pool(tokenizer) -> list[tuple[str, int]]:
     """Words of the tiny task's vocabulary with their token counts (as ' word': the byte-level pre-tokenizer splits
     at spaces, so a text's token count is the sum of its words' counts)."""
-    from verl_kit import tiny
+    from verl_kit.models import tiny
 
     words = sorted({w.strip(",.?!") for t in tiny._corpus() for w in t.split() if w.strip(",.?!")})
     return [(w, len(tokenizer(" " + w, add_special_tokens=False)["input_ids"])) for w in words]
@@ -106,9 +106,9 @@ def write_preference_data(path: Path, tokenizer, n: int, seed: int = 0, prompt_m
 
 
 def recipe_order(n_rows: int, steps: int, batch: int, seed: int) -> list[list[int]]:
-    """Row indices of each step as a recipe run in one process reads them (verl_kit.distributed.step_indices): a peer
+    """Row indices of each step as a recipe run in one process reads them (verl_kit.train.distributed.step_indices): a peer
     reading, sequentially, the rows written in this order sees the same batches in the same order."""
-    from verl_kit.distributed import step_indices
+    from verl_kit.train import step_indices
 
     return [step_indices(n_rows, s, batch, seed, 0, 1) for s in range(steps)]
 

@@ -53,7 +53,7 @@ HYPER = {"learning_rate": 5e-4, "beta": 0.1, "max_length": 1024, "max_grad_norm"
 
 def ours_order(n_rows: int, steps: int, batch: int) -> list[list[int]]:
     """Row indices of each step as recipes/dpo.py reads them (one process)."""
-    from verl_kit.distributed import step_indices
+    from verl_kit.train import step_indices
 
     return [step_indices(n_rows, s, batch, HYPER["seed"], 0, 1) for s in range(steps)]
 
@@ -65,7 +65,7 @@ def our_layouts(model_dir: str, data: Path, order: list[list[int]], packing_leng
 
     from verl_kit.data import load_split, preference_examples
     from verl_kit.models import load_tokenizer
-    from verl_kit.scoring import completion_sequences, make_batch
+    from verl_kit.train import completion_sequences, make_batch
 
     tok = load_tokenizer(model_dir)
     exs = preference_examples(load_split(str(data), "train"), tok, 256, HYPER["max_length"], str(data))
@@ -279,9 +279,8 @@ def state_worker(argv):
     import torch
 
     from verl_kit.config import TrainConfig
-    from verl_kit.distributed import destroy, make_accelerator, zero_stage
-    from verl_kit.engine import Trainable
     from verl_kit.models import load_causal_lm
+    from verl_kit.train import Trainable, destroy, make_accelerator, zero_stage
 
     cfg = TrainConfig(model_name_or_path=a.model, output_dir=os.path.join(os.path.dirname(a.out), "state_out"),
                       per_device_train_batch_size=2)

@@ -3,7 +3,7 @@
     python bench/grpo_vs_trl.py                  # both workloads (~5 minutes on 2 CPU cores)
     python bench/grpo_vs_trl.py --steps 2 --skip uniform
 
-The same on both sides: the ~20M-parameter bench Llama, the kind_words reward (verl_kit.rewards), 16 prompts x 4
+The same on both sides: the ~20M-parameter bench Llama, the kind_words reward (verl_kit.rewards.functions), 16 prompts x 4
 samples per step, 32 generated tokens with EOS ignored (ours `--ignore_eos`, TRL `min_new_tokens`), a frozen reference
 with beta 0.04 (k3 KL in the loss), group advantages scaled by the group std, one optimizer step per rollout (no
 old-log-prob pass on either side: TRL num_iterations=1, ours one iteration of one minibatch), the whole batch in one

@@ -58,7 +58,7 @@ def write_unpaired(paired: Path, out: Path) -> None:
 
 def ours_order(n_rows: int, steps: int, batch: int) -> list[list[int]]:
     """Row indices of each step as recipes/kto.py reads them (one process)."""
-    from verl_kit.distributed import step_indices
+    from verl_kit.train import step_indices
 
     return [step_indices(n_rows, s, batch, HYPER["seed"], 0, 1) for s in range(steps)]
 

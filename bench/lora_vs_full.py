@@ -208,10 +208,8 @@ def state_worker(model_dir, out, name):
     import torch
 
     from verl_kit.config import TrainConfig
-    from verl_kit.distributed import destroy, make_accelerator, zero_stage
-    from verl_kit.engine import Trainable
-    from verl_kit.lora import with_lora
-    from verl_kit.models import load_causal_lm
+    from verl_kit.models import load_causal_lm, with_lora
+    from verl_kit.train import Trainable, destroy, make_accelerator, zero_stage
 
     cfg = TrainConfig(model_name_or_path=model_dir, output_dir=os.path.join(os.path.dirname(out), "state_out"),
                       per_device_train_batch_size=2, use_peft=name == "lora", **LORA)

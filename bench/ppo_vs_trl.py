@@ -77,7 +77,7 @@ def build_reward_model(model_dir: str) -> str:
 def datasets_for(model_dir: str) -> dict[str, str]:
     from transformers import AutoTokenizer
 
-    from verl_kit.tiny import TINY_PREFS
+    from verl_kit.models import TINY_PREFS
 
     mixed = OUT / "data" / "mixed_prompts.jsonl"
     if not mixed.is_file():

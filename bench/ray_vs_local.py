@@ -57,7 +57,7 @@ def main() -> int:
             "--dataset_train_split", "train[:256]"]  # fewer reference log-probs to score before step 1
     work = Path(tempfile.mkdtemp(prefix="vkb-", dir="/tmp"))
     logs = RESULTS / "ray_vs_local"
-    cluster = [sys.executable, "-m", "verl_kit.cluster"]
+    cluster = [sys.executable, "-m", "verl_kit.launch.cluster"]
     local_cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/zero3.yaml",
                  "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", "29561",
                  "recipes/dpo.py", *args]

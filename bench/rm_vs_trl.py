@@ -53,7 +53,7 @@ def our_layouts(model_dir: str, data: Path, order: list[list[int]], packing_leng
 
     from verl_kit.data import load_split, preference_examples
     from verl_kit.models import load_tokenizer
-    from verl_kit.scoring import completion_sequences, make_batch
+    from verl_kit.train import completion_sequences, make_batch
 
     tok = load_tokenizer(model_dir)
     exs = preference_examples(load_split(str(data), "train"), tok, 256, HYPER["max_length"], str(data))

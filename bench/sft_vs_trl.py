@@ -65,10 +65,9 @@ def our_layouts(model_dir: str, data: Path, order: list[list[int]], packing_leng
     """Real tokens, learned tokens and laid-out slots of every step of ours, through the recipe's data path."""
     from types import SimpleNamespace
 
-    from verl_kit.data import load_split
+    from verl_kit.data import load_split, sft_examples
     from verl_kit.models import load_tokenizer
-    from verl_kit.scoring import make_batch
-    from verl_kit.sft import sft_examples
+    from verl_kit.train import make_batch
 
     tok = load_tokenizer(model_dir)
     exs = sft_examples(load_split(str(data), "train"), tok, 256, HYPER["max_length"], str(data))

@@ -21,30 +21,37 @@ from typing import ClassVar
 
 import torch
 
-from verl_kit.actor_critic import ResponsePacker, actor_logits
-from verl_kit.advantages import group_advantages, kl_estimate
-from verl_kit.async_rollout import recipe_rollouts
-from verl_kit.checkpoint import resume, save_if_due
+from verl_kit.algos import (
+    entropy_from_logits,
+    group_advantages,
+    kl_estimate,
+    loss_weights,
+    policy_clipped,
+    policy_loss,
+    reweight,
+    step_metrics,
+)
 from verl_kit.config import OnlineConfig, parse_args
-from verl_kit.distributed import (
+from verl_kit.data import logprobs_from_logits
+from verl_kit.errors import UserError, main_guard
+from verl_kit.metrics import MetricsLogger, Timer, logger
+from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, reference, resolve_model_path, with_lora
+from verl_kit.rewards import make_rewards
+from verl_kit.rollout import evaluate, load_prompt_splits, rollout_metrics, sample_rows, start_rollouts
+from verl_kit.train import (
+    ResponsePacker,
     Tally,
+    Trainable,
+    actor_logits,
+    derived_seed,
     destroy,
+    frozen,
     make_accelerator,
     micro_batches,
     minibatches,
     reduce_metrics,
-    step_indices,
+    save_if_due,
 )
-from verl_kit.engine import Trainable, frozen
-from verl_kit.errors import UserError, main_guard
-from verl_kit.lora import reference, with_lora
-from verl_kit.metrics import MetricsLogger, Timer, logger
-from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path
-from verl_kit.off_policy import reweight, step_metrics
-from verl_kit.packing import logprobs_from_logits
-from verl_kit.ppo_losses import entropy_from_logits, loss_weights, policy_clipped, policy_loss
-from verl_kit.rewards import make_rewards
-from verl_kit.rollout import evaluate, load_prompt_splits, make_backend, rollout_metrics, sample_rows
 
 
 @dataclass
@@ -71,7 +78,7 @@ def main():
     if cfg.num_generations < 2:
         raise UserError(f"--num_generations {cfg.num_generations}: GRPO compares responses within a group, use >= 2")
     accelerator = make_accelerator(cfg)
-    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    world, device = accelerator.num_processes, accelerator.device
     cfg.check(world)
     one_update = cfg.num_iterations * cfg.num_mini_batches == 1  # then old log-probs = this forward's, detached
     if one_update and cfg.old_logprobs != "recompute" and accelerator.is_main_process:
@@ -94,21 +101,16 @@ def main():
         frozen(accelerator, lambda: load_causal_lm(model_path, attn))
     packed = ResponsePacker(cfg, pad, actor.unwrapped())  # rollout rows -> packed (or padded) forward batches
     reward = make_rewards(cfg, accelerator)  # reward functions and/or a frozen reward model, weighted
-    rollout_engine = make_backend(cfg, accelerator, actor.unwrapped(), model_path, tokenizer,
-                                  train.ids[:cfg.vllm_probe_size])  # HF generate, vLLM engine or vLLM server
-    sampling = cfg.sampling()
-
-    # synchronous, or (--async_rollout) the next batches generated while this one trains; seeded per sample with vllm
-    rollouts, eval_sampling = recipe_rollouts(cfg, rollout_engine, train.ids, sampling, total_steps, rank, world)
-    start = resume(accelerator, cfg, per_rank=rollouts)  # with batches generated ahead and not yet trained on
-    rollouts.load_weights(actor.unwrapped(), version=start)  # weight sync: the rollout copy = the actor
+    # the --rollout backend, synchronous or (--async_rollout) generating ahead; resumed and synced: the first step
+    rollouts, start = start_rollouts(cfg, accelerator, actor.unwrapped(), model_path, tokenizer, train.ids,
+                                     total_steps)
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
     def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
         return reward.of_rollout(rows, ro, tokenizer)
 
     def evaluate_held_out() -> dict:  # one response per held-out prompt, same rewards, no KL term
-        return evaluate(accelerator, rollouts, test.ids, test.rows, eval_sampling, score,
+        return evaluate(accelerator, rollouts, test.ids, test.rows, rollouts.eval_params, score,
                         cfg.prompts_per_step // world)
 
     if start == 0 and test.ids:
@@ -118,14 +120,13 @@ def main():
     for step in range(start, total_steps):
         timer, t_step = Timer(), time.time()
         # 1. rollout: num_generations responses per prompt, a prompt's group on one process
-        idx = step_indices(len(train.ids), step, cfg.prompts_per_step, cfg.seed, rank, world)
         with timer("gen"):  # with --async_rollout: the wait for a batch generated during the previous update
             ro, staleness = rollouts.get(step)
         mask, B = ro.response_mask, ro.response_mask.shape[0]
 
         # 2. rewards and group-relative advantages (B,)
         with timer("reward"):
-            rows = [train.rows[i] for i in idx for _ in range(cfg.num_generations)]  # the dataset row of each response
+            rows = [train.rows[i] for i in ro.prompt_index]  # the dataset row of each response
             scores = score(rows, ro)
             advantages = group_advantages(scores, cfg.num_generations, cfg.scale_rewards)
 
@@ -142,7 +143,7 @@ def main():
         # 4. updates: num_iterations passes over the batch, num_mini_batches optimizer steps each
         tally, grad_norms = Tally(), []
         for it in range(cfg.num_iterations):
-            mbs = minibatches(B, cfg.num_mini_batches, cfg.seed * 1_000_003 + step * 1009 + it)
+            mbs = minibatches(B, cfg.num_mini_batches, derived_seed(cfg.seed, step, it))
             for j, mb in enumerate(mbs):
                 mb_chunks = micro_batches(cfg, mb, [costs[i] for i in mb])
                 n = reduce_metrics({"tokens": lengths[mb].sum(), "seqs": len(mb)})  # minibatch, all ranks
@@ -154,7 +155,7 @@ def main():
                         old = logprobs.detach() if one_update else old_logprobs[ix.row, ix.pos].to(device)
                         adv = advantages[ix.row].to(device)  # a response's advantage on each of its tokens
                         loss = policy_loss(logprobs, old, adv, cfg.cliprange)
-                        # the engine sampled from mu, not pi_old: importance weights (verl_kit.off_policy)
+                        # the engine sampled from mu, not pi_old: importance weights (verl_kit.algos.off_policy)
                         loss = reweight(cfg, loss, old, ro.sampling_logprobs[ix.row, ix.pos].to(device),
                                         ix.row.to(device), B, tally if it == 0 else None)
                         kl = (kl_estimate(logprobs, ref_logprobs[ix.row, ix.pos].to(device), "k3") if ref is not None

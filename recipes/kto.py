@@ -21,18 +21,27 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from verl_kit.checkpoint import resume, save_if_due
+from verl_kit.algos import kl_reference_point, kto_loss
 from verl_kit.config import OfflineConfig, parse_args
-from verl_kit.data import load_splits, mismatched_partners, unpaired_examples
-from verl_kit.distributed import Tally, destroy, make_accelerator, micro_batches, step_indices, steps_indices
-from verl_kit.engine import Trainable
+from verl_kit.data import forward_logits, load_splits, mismatched_partners, sequence_logprobs, unpaired_examples
 from verl_kit.errors import UserError, main_guard
-from verl_kit.lora import with_lora
-from verl_kit.losses import kl_reference_point, kto_loss
 from verl_kit.metrics import MetricsLogger
-from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask
-from verl_kit.packing import forward_logits, sequence_logprobs
-from verl_kit.scoring import completion_sequences, make_batch, score_items, score_subset
+from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask, with_lora
+from verl_kit.train import (
+    Tally,
+    Trainable,
+    completion_sequences,
+    destroy,
+    make_accelerator,
+    make_batch,
+    micro_batches,
+    resume,
+    save_if_due,
+    score_items,
+    score_subset,
+    step_indices,
+    steps_indices,
+)
 
 logger = logging.getLogger("verl_kit")
 

@@ -25,46 +25,47 @@ from typing import ClassVar
 
 import torch
 
-from verl_kit.actor_critic import CriticModel, ResponsePacker, actor_logits, critic_values
-from verl_kit.advantages import (
+from verl_kit.algos import (
     AdaptiveKLController,
     FixedKLController,
+    entropy_from_logits,
     gae,
     kl_estimate,
     masked_moments,
     masked_variance,
+    policy_clipped,
+    policy_loss,
+    reweight,
+    step_metrics,
+    token_mean_share,
     token_rewards,
+    value_clipped,
+    value_loss,
     whiten,
 )
-from verl_kit.async_rollout import recipe_rollouts
-from verl_kit.checkpoint import resume, save_if_due
 from verl_kit.config import OnlineConfig, parse_args
-from verl_kit.distributed import (
+from verl_kit.data import logprobs_from_logits
+from verl_kit.errors import UserError, main_guard
+from verl_kit.metrics import MetricsLogger, Timer
+from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, reference, resolve_model_path, with_lora
+from verl_kit.rewards import make_rewards
+from verl_kit.rollout import evaluate, load_prompt_splits, rollout_metrics, sample_rows, start_rollouts
+from verl_kit.train import (
+    CriticModel,
+    ResponsePacker,
     Tally,
+    Trainable,
+    actor_logits,
+    critic_values,
+    derived_seed,
     destroy,
+    frozen,
     make_accelerator,
     micro_batches,
     minibatches,
     reduce_metrics,
-    step_indices,
+    save_if_due,
 )
-from verl_kit.engine import Trainable, frozen
-from verl_kit.errors import UserError, main_guard
-from verl_kit.lora import reference, with_lora
-from verl_kit.metrics import MetricsLogger, Timer
-from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path
-from verl_kit.off_policy import reweight, step_metrics
-from verl_kit.packing import logprobs_from_logits
-from verl_kit.ppo_losses import (
-    entropy_from_logits,
-    policy_clipped,
-    policy_loss,
-    token_mean_share,
-    value_clipped,
-    value_loss,
-)
-from verl_kit.rewards import make_rewards
-from verl_kit.rollout import evaluate, load_prompt_splits, make_backend, rollout_metrics, sample_rows
 
 
 @dataclass
@@ -92,7 +93,7 @@ class PPOConfig(OnlineConfig):
 def main():
     cfg = parse_args(PPOConfig)
     accelerator = make_accelerator(cfg)
-    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    world, device = accelerator.num_processes, accelerator.device
     cfg.check(world)
     if cfg.critic_init == "reward" and not cfg.reward_model_name_or_path:
         raise UserError("--critic_init reward needs --reward_model_name_or_path")
@@ -119,21 +120,16 @@ def main():
     accelerator.register_for_checkpointing(kl_ctl)
 
     reward = make_rewards(cfg, accelerator)  # reward functions and/or a frozen reward model, weighted
-    rollout_engine = make_backend(cfg, accelerator, actor.unwrapped(), model_path, tokenizer,
-                                  train.ids[:cfg.vllm_probe_size])  # HF generate, vLLM engine or vLLM server
-    sampling = cfg.sampling()
-
-    # synchronous, or (--async_rollout) the next batches generated while this one trains; seeded per sample with vllm
-    rollouts, eval_sampling = recipe_rollouts(cfg, rollout_engine, train.ids, sampling, total_steps, rank, world)
-    start = resume(accelerator, cfg, per_rank=rollouts)  # with batches generated ahead and not yet trained on
-    rollouts.load_weights(actor.unwrapped(), version=start)  # weight sync: the rollout copy = the actor
+    # the --rollout backend, synchronous or (--async_rollout) generating ahead; resumed and synced: the first step
+    rollouts, start = start_rollouts(cfg, accelerator, actor.unwrapped(), model_path, tokenizer, train.ids,
+                                     total_steps)
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
     def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
         return reward.of_rollout(rows, ro, tokenizer)
 
     def evaluate_held_out() -> dict:  # one response per held-out prompt, same rewards, no KL term
-        return evaluate(accelerator, rollouts, test.ids, test.rows, eval_sampling, score,
+        return evaluate(accelerator, rollouts, test.ids, test.rows, rollouts.eval_params, score,
                         cfg.prompts_per_step // world)
 
     if start == 0 and test.ids:
@@ -143,14 +139,13 @@ def main():
     for step in range(start, total_steps):
         timer, t_step = Timer(), time.time()
         # 1. rollout
-        idx = step_indices(len(train.ids), step, cfg.prompts_per_step, cfg.seed, rank, world)
         with timer("gen"):  # with --async_rollout: the wait for a batch generated during the previous update
             ro, staleness = rollouts.get(step)
         mask, B = ro.response_mask, ro.response_mask.shape[0]
 
         # 2. rewards: sequence scores (B,)
         with timer("reward"):
-            rows = [train.rows[i] for i in idx for _ in range(cfg.num_generations)]  # the dataset row of each response
+            rows = [train.rows[i] for i in ro.prompt_index]  # the dataset row of each response
             scores = score(rows, ro)
 
         # 3. old log-probs (the actor before this update), reference log-probs and values
@@ -177,7 +172,7 @@ def main():
         # 5. PPO epochs over minibatches: actor and critic each take one optimizer step per minibatch
         tally, grad_norms = Tally(), {"actor": [], "critic": []}
         for epoch in range(cfg.num_ppo_epochs):
-            mbs = minibatches(B, cfg.num_mini_batches, cfg.seed * 1_000_003 + step * 1009 + epoch)
+            mbs = minibatches(B, cfg.num_mini_batches, derived_seed(cfg.seed, step, epoch))
             for j, mb in enumerate(mbs):
                 last_update = epoch == cfg.num_ppo_epochs - 1 and j == len(mbs) - 1  # LR schedule: once per step
                 mb_chunks = micro_batches(cfg, mb, [costs[i] for i in mb])
@@ -189,7 +184,7 @@ def main():
                         logprobs = logprobs_from_logits(logits, ix.targets.to(device))
                         old, adv = old_logprobs[ix.row, ix.pos].to(device), advantages[ix.row, ix.pos].to(device)
                         pg = policy_loss(logprobs, old, adv, cfg.cliprange)
-                        # the engine sampled from mu, not pi_old: importance weights (verl_kit.off_policy)
+                        # the engine sampled from mu, not pi_old: importance weights (verl_kit.algos.off_policy)
                         pg = reweight(cfg, pg, old, ro.sampling_logprobs[ix.row, ix.pos].to(device),
                                       ix.row.to(device), B, tally if epoch == 0 else None)
                         entropy = entropy_from_logits(logits)

@@ -5,7 +5,7 @@
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/reward_model.py
     make cluster-run RECIPE=recipes/reward_model.py CONFIG=recipes/configs/reward_model_tiny.yaml NODES=2
 
-The data and its loader are DPO's (prompt?, chosen, rejected; verl_kit.data.preference_examples), plus TRL's optional
+The data and its loader are DPO's (prompt?, chosen, rejected; verl_kit.data.datasets.preference_examples), plus TRL's optional
 `margin` column. The model is AutoModelForSequenceClassification with one label, its `score` head run at every
 position so that each packed sequence's reward is read at its own last token: the last token that is not the pad
 token, where HF's forward reads it (and so PPO's --reward_model_name_or_path). A tokenizer without a pad token gets
@@ -19,18 +19,26 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from verl_kit.checkpoint import resume, save_if_due
+from verl_kit.algos import bradley_terry_loss
 from verl_kit.config import OfflineConfig, parse_args
 from verl_kit.data import load_splits, preference_examples
-from verl_kit.distributed import Tally, destroy, make_accelerator, micro_batches, param_counts, step_indices
-from verl_kit.engine import Trainable
 from verl_kit.errors import main_guard
-from verl_kit.lora import with_lora
-from verl_kit.losses import bradley_terry_loss
 from verl_kit.metrics import MetricsLogger
-from verl_kit.models import export_hf, load_tokenizer, resolve_model_path, uses_block_mask
-from verl_kit.reward_model import load_reward_classifier, margins, score_rewards, sequence_rewards
-from verl_kit.scoring import completion_sequences, make_batch
+from verl_kit.models import export_hf, load_tokenizer, resolve_model_path, uses_block_mask, with_lora
+from verl_kit.rewards import load_reward_classifier, margins, score_rewards, sequence_rewards
+from verl_kit.train import (
+    Tally,
+    Trainable,
+    completion_sequences,
+    destroy,
+    make_accelerator,
+    make_batch,
+    micro_batches,
+    param_counts,
+    resume,
+    save_if_due,
+    step_indices,
+)
 
 
 @dataclass

@@ -6,9 +6,9 @@
     make cluster-run RECIPE=recipes/sft.py CONFIG=recipes/configs/sft_tiny.yaml NODES=2
 
 Data in TRL's SFT formats as they are: `text`, `prompt` + `completion`, or `messages` rendered with the tokenizer's
-chat template (verl_kit.sft). By default only the completion / the assistant turns are learned. The loss is the mean
+chat template (verl_kit.data.sft). By default only the completion / the assistant turns are learned. The loss is the mean
 negative log-likelihood over every learned token of the optimizer step, on all processes and micro-batches, so it does
-not depend on how the step is split. Packed sequences never attend to each other (verl_kit.packing).
+not depend on how the step is split. Packed sequences never attend to each other (verl_kit.data.packing).
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
@@ -17,27 +17,26 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from verl_kit.checkpoint import resume, save_if_due
+from verl_kit.algos import token_mean_share
 from verl_kit.config import OfflineConfig, parse_args
-from verl_kit.data import load_splits
-from verl_kit.distributed import (
+from verl_kit.data import TINY_SFT, forward_logits, load_splits, sft_examples, token_logprobs
+from verl_kit.errors import main_guard
+from verl_kit.metrics import MetricsLogger
+from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask, with_lora
+from verl_kit.train import (
     Tally,
+    Trainable,
     destroy,
     make_accelerator,
+    make_batch,
     micro_batches,
     param_counts,
     reduce_metrics,
+    resume,
+    save_if_due,
+    score_items,
     step_indices,
 )
-from verl_kit.engine import Trainable
-from verl_kit.errors import main_guard
-from verl_kit.lora import with_lora
-from verl_kit.metrics import MetricsLogger
-from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask
-from verl_kit.packing import forward_logits, token_logprobs
-from verl_kit.ppo_losses import token_mean_share
-from verl_kit.scoring import make_batch, score_items
-from verl_kit.sft import TINY_SFT, sft_examples
 
 
 @dataclass

@@ -8,9 +8,8 @@ import sys
 import torch
 
 from verl_kit.config import TrainConfig
-from verl_kit.distributed import Tally, destroy, make_accelerator
-from verl_kit.engine import Trainable
 from verl_kit.models import gathered_params, load_causal_lm
+from verl_kit.train import Tally, Trainable, destroy, make_accelerator
 
 
 def fingerprint(model) -> float:

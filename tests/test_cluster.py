@@ -16,7 +16,7 @@ import time
 import pytest
 from helpers import REPO, env, isolated, metrics
 
-from verl_kit.cluster import launch_command, parse
+from verl_kit.launch.cluster import launch_command, parse
 
 HEAD_IP, WORKER_IP = "10.200.0.1", "10.200.0.2"
 DASHBOARD = f"http://{HEAD_IP}:8265"
@@ -45,7 +45,7 @@ def test_reaper_takes_the_whole_tree_down_when_its_agent_dies(tmp_path):
     launch = ("import subprocess, sys, time; "
               "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
               f"open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(120)")
-    reaper = subprocess.Popen([sys.executable, "-m", "verl_kit.cluster", "_reap", "--parent", str(agent.pid),
+    reaper = subprocess.Popen([sys.executable, "-m", "verl_kit.launch.cluster", "_reap", "--parent", str(agent.pid),
                                "--grace_s", "2", "--", sys.executable, "-c", launch], stdout=subprocess.PIPE)
     pids: list[int] = []  # the reaper, then the rank
     try:
@@ -59,7 +59,16 @@ def test_reaper_takes_the_whole_tree_down_when_its_agent_dies(tmp_path):
         pids.append(int(marker.read_text()))
         agent.kill()
         agent.wait()
-        alive = lambda: [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        def alive() -> list[int]:
+            out = []
+            for p in pids:
+                try:
+                    if psutil.Process(p).status() != "zombie":
+                        out.append(p)
+                except psutil.NoSuchProcess:  # gone between the listing and the read of its status
+                    pass
+            return out
+
         deadline = time.time() + 15
         while alive() and time.time() < deadline:
             time.sleep(0.2)
@@ -140,12 +149,12 @@ class Cluster:
         self.head_ns, self.worker_ns = head_ns, worker_ns
 
     def cli(self, *args: str, timeout: float = 300, ns: str | None = None) -> subprocess.CompletedProcess:
-        """`python -m verl_kit.cluster ...` on the head node (or in `ns`), as a user would run `make cluster-*`."""
-        cmd = ["ip", "netns", "exec", ns or self.head_ns, sys.executable, "-m", "verl_kit.cluster", *args]
+        """`python -m verl_kit.launch.cluster ...` on the head node (or in `ns`), as a user would run `make cluster-*`."""
+        cmd = ["ip", "netns", "exec", ns or self.head_ns, sys.executable, "-m", "verl_kit.launch.cluster", *args]
         return subprocess.run(cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
 
     def run_cmd(self, output_dir: str, *extra: str, node_timeout_s: float = NODE_TIMEOUT_S) -> list[str]:
-        return ["ip", "netns", "exec", self.head_ns, sys.executable, "-m", "verl_kit.cluster", "run",
+        return ["ip", "netns", "exec", self.head_ns, sys.executable, "-m", "verl_kit.launch.cluster", "run",
                 "--address", DASHBOARD, "--nodes", "2", "--procs_per_node", "1",
                 "--accelerate_config", "accelerate_configs/zero3.yaml", "--node_timeout_s", str(node_timeout_s),
                 "--stop_grace_s", "5", "--", *RECIPE_ARGS, "--output_dir", output_dir, *extra]

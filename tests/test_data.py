@@ -68,7 +68,7 @@ def test_json_parquet_and_split_slicing(tmp_path, tokenizer):
 
 
 def test_embedded_dataset_loads(tokenizer):
-    from verl_kit.tiny import TINY_PREFS
+    from verl_kit.models import TINY_PREFS
 
     train = preference_examples(load_split(TINY_PREFS, "train"), tokenizer, 64, 128, "tiny")
     test = preference_examples(load_split(TINY_PREFS, "test"), tokenizer, 64, 128, "tiny")

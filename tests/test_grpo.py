@@ -5,8 +5,7 @@ import pytest
 import torch
 from helpers import launch_cmd, load_weights, metrics, recipe_cmd, run, run_until
 
-from verl_kit.advantages import group_advantages
-from verl_kit.ppo_losses import loss_weights
+from verl_kit.algos import group_advantages, loss_weights
 
 TINY = "recipes/configs/grpo_tiny.yaml"
 

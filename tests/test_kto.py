@@ -9,13 +9,11 @@ import pytest
 import torch
 from helpers import launch_cmd, load_weights, metrics, recipe_cmd, run, run_until
 
-from verl_kit.data import load_split, mismatched_partners, unpaired_examples
-from verl_kit.distributed import step_indices
+from verl_kit.algos import kl_reference_point, kto_loss
+from verl_kit.data import forward_logits, layout, load_split, mismatched_partners, sequence_logprobs, unpaired_examples
 from verl_kit.errors import UserError
-from verl_kit.losses import kl_reference_point, kto_loss
-from verl_kit.models import load_causal_lm
-from verl_kit.packing import forward_logits, layout, sequence_logprobs
-from verl_kit.tiny import TINY_PREFS
+from verl_kit.models import TINY_PREFS, load_causal_lm
+from verl_kit.train import step_indices
 
 LN3 = math.log(3)
 

@@ -16,9 +16,8 @@ from helpers import REPO, env, launch_cmd, metrics, recipe_cmd, run, run_until
 
 from verl_kit.config import TrainConfig, parse_args
 from verl_kit.errors import UserError
-from verl_kit.lora import reference, with_lora
-from verl_kit.models import load_causal_lm
-from verl_kit.weight_sync import gathered_buckets
+from verl_kit.models import load_causal_lm, reference, with_lora
+from verl_kit.rollout import gathered_buckets
 
 LORA = ["--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0"]
 
@@ -100,7 +99,7 @@ def test_output_layer_adapter_syncs_untied_and_is_refused_tied(tiny_model_path, 
     """lm_head may be adapted when it is a weight of its own (the embedded tiny model): the synced tensors give the
     LoRA policy's logits. On a tied model the output layer is the input embedding, so a merged lm_head (or
     embed_tokens) adapter would change both in the engine (measured: 1.75 nats off): refused in one line."""
-    from verl_kit.tiny import build_tiny_model
+    from verl_kit.models import build_tiny_model
 
     model = lora_model(tiny_model_path, "--lora_target_modules", "q_proj,lm_head")
     assert any("lm_head.lora_B" in n for n, _ in model.named_parameters())
@@ -239,7 +238,7 @@ def test_lora_sigkill_then_resume_is_bit_identical(procs, tmp_path):
     another rank, is refused in one line."""
     from safetensors.torch import load_file, save_file
 
-    from verl_kit.tiny import build_tiny_model
+    from verl_kit.models import build_tiny_model
 
     args = [*LORA, "--max_steps", "30" if procs == 1 else "12", "--save_steps", "10" if procs == 1 else "4",
             "--eval_steps", "30", "--logging_steps", "2", "--learning_rate", "1e-2",
@@ -282,8 +281,8 @@ def test_lora_sigkill_then_resume_is_bit_identical(procs, tmp_path):
 VLLM_DRIVER = r'''
 import json, sys
 from verl_kit.models import load_tokenizer
-from verl_kit.vllm_rollout import VLLMColocated
-from verl_kit.weight_sync import trainer_logprobs, max_abs_diff
+from verl_kit.rollout import VLLMColocated
+from verl_kit.rollout import trainer_logprobs, max_abs_diff
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 import torch
@@ -308,7 +307,7 @@ def test_grpo_lora_vllm_sync_on_tied_model(rollout, tmp_path):
     """GRPO with an adapter on a tied-embedding model, a high learning rate: after every sync the engine's log-probs
     match the trainer's (adapter enabled) within the fp32 bound while the trainer moves; vLLM loads final/merged and
     scores like peft's adapter on the base."""
-    from verl_kit.tiny import build_tiny_model
+    from verl_kit.models import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "tied"), tie_word_embeddings=True)
     out = tmp_path / "run"

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from verl_kit.losses import dpo_logits, dpo_loss, implicit_rewards
+from verl_kit.algos import dpo_logits, dpo_loss, implicit_rewards
 
 # policy chosen/rejected, reference chosen/rejected log-probs of one pair
 PC, PR, RC, RR = torch.tensor([-10.0]), torch.tensor([-12.0]), torch.tensor([-11.0]), torch.tensor([-11.5])

@@ -6,9 +6,8 @@ import math
 import pytest
 import torch
 
-from verl_kit.distributed import Tally
-from verl_kit.off_policy import MODES, importance_weights, mismatch_metrics
-from verl_kit.ppo_losses import policy_loss
+from verl_kit.algos import MODES, importance_weights, mismatch_metrics, policy_loss
+from verl_kit.train import Tally
 
 # Four tokens of one sequence each, as (trainer probability, engine probability) -> ratio pi_old / mu:
 #   (0.4, 0.8) -> 0.5    (0.6, 0.4) -> 1.5    (0.5, 0.2) -> 2.5    (0.8, 0.2) -> 4.0

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from verl_kit.losses import dpo_loss
-from verl_kit.models import load_causal_lm
-from verl_kit.packing import (
+from verl_kit.algos import dpo_loss
+from verl_kit.data import (
     block_causal_mask,
     forward_logits,
     layout,
@@ -15,6 +14,7 @@ from verl_kit.packing import (
     split_by_tokens,
     token_logprobs,
 )
+from verl_kit.models import load_causal_lm
 
 
 @pytest.fixture(scope="module")

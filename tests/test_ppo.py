@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import launch_cmd, load_weights, metrics, recipe_cmd, run, run_until
 
-from verl_kit.actor_critic import actor_logits, pack_responses
-from verl_kit.packing import logprobs_from_logits
+from verl_kit.data import logprobs_from_logits
 from verl_kit.rollout import HFGenerateBackend, SamplingParams
+from verl_kit.train import actor_logits, pack_responses
 
 TINY = "recipes/configs/ppo_tiny.yaml"
 

@@ -6,25 +6,23 @@ import math
 import pytest
 import torch
 
-from verl_kit.advantages import (
+from verl_kit.algos import (
     AdaptiveKLController,
     FixedKLController,
+    entropy_from_logits,
     gae,
     kl_estimate,
     masked_moments,
-    token_rewards,
-    truncation_penalty,
-    whiten,
-)
-from verl_kit.packing import logprobs_from_logits
-from verl_kit.ppo_losses import (
-    entropy_from_logits,
     policy_clipped,
     policy_loss,
     token_mean_share,
+    token_rewards,
+    truncation_penalty,
     value_clipped,
     value_loss,
+    whiten,
 )
+from verl_kit.data import logprobs_from_logits
 
 
 def test_gae_hand_values():
@@ -183,8 +181,8 @@ def test_token_mean_invariant_to_rank_and_microbatch_split():
 def test_packed_response_logprobs_match_plain_forward(tiny_model_path):
     """The packed, block-masked forward with ResponseIndex scattering puts each response token's log-prob at
     (row, position) exactly where a plain per-sequence forward puts it."""
-    from verl_kit.actor_critic import actor_logits, pack_responses
     from verl_kit.models import load_causal_lm
+    from verl_kit.train import actor_logits, pack_responses
 
     model = load_causal_lm(tiny_model_path).eval()
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]

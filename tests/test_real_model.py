@@ -105,9 +105,8 @@ def test_rollout_keeps_the_eos_that_is_also_pad(smollm2):
 def test_dpo_data_scores_the_eos(smollm2):
     """preference_examples + scoring on a standard and a conversational pair: the EOS closing each completion is
     in the completion ids and scored; padding with the same id (padded layout) is not."""
-    from verl_kit.data import preference_examples
-    from verl_kit.packing import forward_logits, layout, sequence_logprobs
-    from verl_kit.scoring import completion_sequences
+    from verl_kit.data import forward_logits, layout, preference_examples, sequence_logprobs
+    from verl_kit.train import completion_sequences
 
     model, tok = smollm2
     eos = tok.eos_token_id
@@ -183,19 +182,18 @@ ARITH_CONFIG = "recipes/configs/grpo_arith.yaml"
 
 
 def test_arith_task_data_rewards_and_two_grpo_steps(smollm2_path, tmp_path):
-    """The RLVR task for the real model (verl_kit.tasks arith, recipes/configs/grpo_arith.yaml): the shipped data is
-    what `python -m verl_kit.tasks arith` writes (fixed seed), loads as chat prompts with a string `answer` column,
+    """The RLVR task for the real model (verl_kit.data.tasks arith, recipes/configs/grpo_arith.yaml): the shipped data is
+    what `python -m verl_kit.data.tasks arith` writes (fixed seed), loads as chat prompts with a string `answer` column,
     and holds out problems the train split never shows; through Rewards with the `answer` column math_answer scores a
     right and a wrong reference completion 1/0, and so does the config's final_number, which also refuses the bare
     restated question that math_answer credits; a 2-step GRPO run with the config completes and logs
     eval/reward_mean (no learning asserted here: at the config's 8 x 8 responses per step that takes ~5 steps)."""
     from helpers import recipe_cmd
 
-    from verl_kit.data import load_split
+    from verl_kit.data import ARITH, load_split, write_arith
     from verl_kit.models import load_tokenizer
     from verl_kit.rewards import Rewards, reward_columns
     from verl_kit.rollout import load_prompts
-    from verl_kit.tasks import ARITH, write_arith
 
     write_arith(str(tmp_path / "arith"))
     for split in ("train", "test"):
@@ -216,7 +214,7 @@ def test_arith_task_data_rewards_and_two_grpo_steps(smollm2_path, tmp_path):
     rows = [row] * len(completions)
     truncated = torch.zeros(len(completions), dtype=torch.bool)
     for spec, want in (("verl_kit.rewards:math_answer", [1.0, 0.0, 1.0]),  # the echo: math-verify evaluates a + b
-                       ("verl_kit.tasks:final_number", [1.0, 0.0, 0.0])):
+                       ("verl_kit.rewards:final_number", [1.0, 0.0, 0.0])):
         got = Rewards(spec, None, None)([r["prompt"] for r in rows], completions, truncated, reward_columns(rows))
         assert got.tolist() == want, spec
 

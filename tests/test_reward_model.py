@@ -9,13 +9,12 @@ import pytest
 import torch
 from helpers import REPO, launch_cmd, load_weights, metrics, recipe_cmd, run
 
-from verl_kit.data import load_split, preference_examples
+from verl_kit.algos import bradley_terry_loss
+from verl_kit.data import TokenBatch, layout, load_split, preference_examples
 from verl_kit.errors import UserError
-from verl_kit.losses import bradley_terry_loss
-from verl_kit.packing import TokenBatch, layout
-from verl_kit.reward_model import last_token_index, load_reward_classifier, margins, sequence_rewards
-from verl_kit.scoring import completion_sequences
-from verl_kit.tiny import TINY_PREFS
+from verl_kit.models import TINY_PREFS
+from verl_kit.rewards import last_token_index, load_reward_classifier, margins, sequence_rewards
+from verl_kit.train import completion_sequences
 
 # ---- the loss, by hand --------------------------------------------------------------------------------------------
 

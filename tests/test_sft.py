@@ -8,12 +8,10 @@ import pytest
 import torch
 from helpers import REPO, launch_cmd, load_weights, metrics, recipe_cmd, run, run_until
 
-from verl_kit.data import load_split
+from verl_kit.algos import token_mean_share
+from verl_kit.data import TINY_SFT, forward_logits, layout, load_split, sft_examples, token_logprobs, truncate
 from verl_kit.errors import UserError
 from verl_kit.models import load_causal_lm
-from verl_kit.packing import forward_logits, layout, token_logprobs
-from verl_kit.ppo_losses import token_mean_share
-from verl_kit.sft import TINY_SFT, sft_examples, truncate
 
 USER = {"role": "user", "content": "Tell me about the sea."}
 REPLY = {"role": "assistant", "content": "The sea is lovely."}
@@ -183,7 +181,7 @@ def test_sft_export_replies_kindly(trained):
     task's form and use kind words only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_kit.tiny import BAD, GOOD
+    from verl_kit.models import BAD, GOOD
 
     tok = AutoTokenizer.from_pretrained(trained / "final")
     model = AutoModelForCausalLM.from_pretrained(trained / "final")

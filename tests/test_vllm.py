@@ -97,7 +97,7 @@ import torch
 from test_vllm import encode, long_seeded, load_hf, train_step, hf_greedy, rows, hf_sampling_logprobs, PROBE_TEXTS
 from verl_kit.models import load_tokenizer, resolve_model_path
 from verl_kit.rollout import SamplingParams
-from verl_kit.vllm_rollout import VLLMColocated
+from verl_kit.rollout import VLLMColocated
 
 if __name__ == "__main__":
     path = resolve_model_path("tiny-llama")
@@ -179,7 +179,7 @@ def test_colocated_generate_sync_probe(tmp_path):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path):
-    from verl_kit.vllm_server import ServerProcess
+    from verl_kit.rollout import ServerProcess
 
     os.environ["VLLM_HOST_IP"] = "127.0.0.1"
     s = ServerProcess(tiny_model_path, dtype="float32", max_num_seqs=64, max_model_len=512, kv_cache_gib=1,
@@ -190,7 +190,7 @@ def server(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def client(server, tokenizer):
-    from verl_kit.vllm_rollout import VLLMServer
+    from verl_kit.rollout import VLLMServer
 
     return VLLMServer(server.url, tokenizer, probe_prompts=encode(tokenizer, PROBE_TEXTS), probe_threshold=1e-3,
                       bucket_mb=0.05, max_retries=3, backoff_s=0.5, connect_timeout_s=5, request_timeout_s=120)
@@ -239,8 +239,7 @@ def test_server_sync_matches_trained_policy(client, tokenizer, tiny_model_path):
 
 def test_unreachable_server_is_a_user_error(tokenizer):
     from verl_kit.errors import UserError
-    from verl_kit.vllm_rollout import VLLMServer
-    from verl_kit.vllm_server import free_port
+    from verl_kit.rollout import VLLMServer, free_port
 
     t0 = time.time()
     with pytest.raises(UserError, match="no vLLM server answers"):
@@ -318,7 +317,7 @@ def test_server_started_by_a_run_dies_with_it(tmp_path):
 
     def servers() -> set[int]:
         return {p.pid for p in psutil.process_iter(["cmdline"])
-                if "verl_kit.vllm_server api-server" in " ".join(p.info["cmdline"] or [])}
+                if "verl_kit.rollout.vllm_server api-server" in " ".join(p.info["cmdline"] or [])}
 
     before = servers()
     out = tmp_path / "run"
@@ -354,8 +353,8 @@ API_KEY_DRIVER = r'''
 import json, sys
 import requests, torch
 from verl_kit.models import load_causal_lm, load_tokenizer
-from verl_kit.vllm_rollout import VLLMServer
-from verl_kit.vllm_server import ServerProcess
+from verl_kit.rollout import VLLMServer
+from verl_kit.rollout import ServerProcess
 
 path = sys.argv[1]
 tok = load_tokenizer(path)
@@ -380,7 +379,7 @@ def test_server_beyond_loopback_needs_an_api_key(tmp_path, tiny_model_path, monk
     vLLM's own --api-key leaves open) and /v1 answer 401 without the key, and the kit's client, which sends it, syncs.
     Run in a private network namespace, so 0.0.0.0 there is loopback only."""
     from verl_kit.errors import UserError
-    from verl_kit.vllm_server import serve_command
+    from verl_kit.rollout import serve_command
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     with pytest.raises(UserError, match="VLLM_API_KEY"):

@@ -48,7 +48,7 @@ def update(model, tokenizer, lr: float = 1e-2) -> None:
 
 def sync_check(backend, model, tokenizer, prompts) -> dict:
     """Update the trainer, sync, probe: how far the trainer and the engine moved, and how far apart they end."""
-    from verl_kit.weight_sync import max_abs_diff, trainer_logprobs
+    from verl_kit.rollout import max_abs_diff, trainer_logprobs
 
     engine_before, trainer_before = backend.score(prompts), trainer_logprobs(model, prompts)
     update(model, tokenizer)
@@ -71,7 +71,7 @@ def assert_synced(out: dict) -> None:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
-    from verl_kit.tiny import build_tiny_model
+    from verl_kit.models import build_tiny_model
 
     root = tmp_path_factory.mktemp("layouts")
     return {k: build_tiny_model(str(root / k), tie_word_embeddings=k == "tied") for k in LAYOUTS}
@@ -89,10 +89,10 @@ def test_tiny_model_layouts(models):
 DRIVER = r'''
 import json, sys
 sys.path.insert(0, {tests!r})
-import verl_kit.weight_sync as weight_sync
+import verl_kit.rollout.weight_sync as weight_sync
 from test_weight_sync import ENGINE, probe_prompts, sync_check
 from verl_kit.models import load_causal_lm, load_tokenizer
-from verl_kit.vllm_rollout import VLLMColocated
+from verl_kit.rollout import VLLMColocated
 
 if __name__ == "__main__":
     path = {path!r}
@@ -128,8 +128,7 @@ def test_colocated_sync_matches_trainer(layout, models, tmp_path):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_server_sync_matches_trainer(layout, models):
     from verl_kit.models import load_causal_lm, load_tokenizer
-    from verl_kit.vllm_rollout import VLLMServer
-    from verl_kit.vllm_server import ServerProcess
+    from verl_kit.rollout import ServerProcess, VLLMServer
 
     path = models[layout]
     tok = load_tokenizer(path)
@@ -154,10 +153,8 @@ def test_same_host_transport(models, tmp_path, monkeypatch):
     inline path (VERL_KIT_WEIGHT_SYNC=inline) on the same engine, exact too."""
     import requests
 
-    from verl_kit import weight_sync
     from verl_kit.models import load_causal_lm, load_tokenizer
-    from verl_kit.vllm_rollout import VLLMServer
-    from verl_kit.vllm_server import ServerProcess, is_loopback_url
+    from verl_kit.rollout import ServerProcess, VLLMServer, is_loopback_url, weight_sync
 
     assert is_loopback_url("http://127.0.0.1:8000") and is_loopback_url("http://localhost:1")
     assert not is_loopback_url("http://10.0.0.2:8000") and not is_loopback_url("http://example.org")
@@ -226,7 +223,7 @@ def slot_mappings(pid: int) -> set[str]:
     """The slot files that process `pid` or any of its descendants (the engine's worker) has mapped."""
     import psutil
 
-    from verl_kit import weight_sync
+    from verl_kit.rollout import weight_sync
 
     folder, found = weight_sync.shm_dir(), set()
     root = psutil.Process(pid)
@@ -259,7 +256,7 @@ def test_grpo_zero3_tied_model_with_vllm(models, tmp_path):
 def test_sweep_removes_buckets_of_dead_writers():
     """A trainer SIGKILLed (or one that never closed its backend) leaves its slot files in /dev/shm: the next process
     that syncs removes the files of writers that are gone, and only those."""
-    from verl_kit import weight_sync
+    from verl_kit.rollout import weight_sync
 
     folder = weight_sync.shm_dir()
     dead = subprocess.Popen(["true"])
@@ -283,7 +280,7 @@ def test_slots_round_trip_reuse_and_refusals():
     of mixed dtypes and an alias arrive exactly; the next write of a bucket of the same size reuses the slot file
     with a fresh token, so the previous reference is refused; a larger bucket gets a new slot and the old file goes;
     the worker forgets mappings of slots no longer in use; close() removes the files."""
-    from verl_kit import weight_sync
+    from verl_kit.rollout import weight_sync
 
     shared = weight_sync.SharedBuckets()
     first = {"model.embed_tokens.weight": torch.randn(3, 5), "model.norm.weight": torch.randn(7).bfloat16(),
@@ -327,7 +324,7 @@ def test_slots_round_trip_reuse_and_refusals():
 FULL_SHM_DRIVER = r'''
 import json, logging, os, sys
 import torch
-from verl_kit import weight_sync
+from verl_kit.rollout import weight_sync
 from verl_kit.models import load_causal_lm
 
 logging.basicConfig(level=logging.WARNING)

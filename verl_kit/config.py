@@ -11,10 +11,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from verl_kit.algos.off_policy import check_args as check_importance_sampling_args
 from verl_kit.errors import UserError
-from verl_kit.lora import check_flags as check_lora_flags
-from verl_kit.rollout import SamplingParams
-from verl_kit.tiny import TINY_MODEL_NAME, TINY_PREFS
+from verl_kit.models.lora import check_flags as check_lora_flags
+from verl_kit.models.tiny import TINY_MODEL_NAME, TINY_PREFS
 
 
 @dataclass
@@ -92,7 +92,8 @@ class OfflineConfig(TrainConfig):
 class RolloutConfig:
     """Rollout backend flags, mixed into OnlineConfig."""
 
-    CHOICES: ClassVar[dict] = {"rollout": ("hf", "vllm", "vllm-server")}
+    CHOICES: ClassVar[dict] = {"rollout": ("hf", "vllm", "vllm-server"),  # the one list of backend names
+                               "vllm_weight_sync_transport": ("auto", "inline")}
 
     rollout: str = field(default="hf", metadata={
         "help": "hf (HF generate), vllm (a vLLM engine in each training process) or vllm-server"})
@@ -108,6 +109,9 @@ class RolloutConfig:
     vllm_sync_bucket_mb: float = field(default=64, metadata={
         "help": "weight sync: MiB of parameters gathered and sent at a time"})
     vllm_sync_timeout_s: float = field(default=600, metadata={"help": "weight sync: seconds before it fails"})
+    vllm_weight_sync_transport: str = field(default="auto", metadata={
+        "help": "weight sync: auto (same-host engines read the buckets from /dev/shm slots, others get them inline) "
+                "or inline (every bucket base64 through the RPC)"})
     vllm_probe_size: int = field(default=4, metadata={
         "help": "prompts scored by engine and trainer after each sync (0: no probe)"})
     vllm_probe_threshold: float | None = field(default=None, metadata={
@@ -144,14 +148,14 @@ class OnlineConfig(TrainConfig, RolloutConfig):
                 "; only used when a rollout is updated on more than once"})
     async_rollout: bool = field(default=False, metadata={
         "help": "generate the next steps' rollouts while the trainer updates (vLLM backends; see "
-                "verl_kit.async_rollout): the batch of step t comes from the policy of step t - max_staleness"})
+                "verl_kit.rollout.rollouts): the batch of step t comes from the policy of step t - max_staleness"})
     max_staleness: int = field(default=1, metadata={
         "help": "--async_rollout: steps the rollouts run ahead of the trainer (1: one-step-off; 0: no overlap)"})
     rollout_timeout_s: float = field(default=1800, metadata={
         "help": "--async_rollout: seconds to wait for a batch's generation before the run fails"})
     vllm_importance_sampling_correction: bool = field(default=True, metadata={
         "help": "vLLM backends: weight the policy loss by the trainer's old log-probs over the engine's sampling "
-                "log-probs (truncated importance sampling, verl_kit.off_policy; TRL's flag)"})
+                "log-probs (truncated importance sampling, verl_kit.algos.off_policy; TRL's flag)"})
     vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={
         "help": "token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's names and default)"})
     vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata={
@@ -175,10 +179,8 @@ class OnlineConfig(TrainConfig, RolloutConfig):
             raise UserError("--vllm_importance_sampling_correction needs --top_p 1.0 and --top_k 0 (the trainer's "
                             "log-probs are of the untruncated policy); or set it false")
         if self.importance_sampling:
-            from verl_kit.off_policy import check_args
-
             try:
-                check_args(self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_max,
+                check_importance_sampling_args(self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_max,
                            self.vllm_importance_sampling_clip_min)
             except ValueError as e:
                 raise UserError(f"--{e}") from None
@@ -195,10 +197,6 @@ class OnlineConfig(TrainConfig, RolloutConfig):
     def importance_sampling(self) -> bool:
         """The correction applies: samples from a vLLM engine (HF generate samples with the trainer's own numerics)."""
         return self.vllm_importance_sampling_correction and self.rollout != "hf"
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_completion_length,
-                              self.num_generations, self.ignore_eos)
 
 
 def choices(config_cls) -> dict[str, tuple]:

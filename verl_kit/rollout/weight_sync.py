@@ -8,9 +8,9 @@ How a bucket travels: to a worker on this host (a colocated engine, a server on 
 straight from the parameter into its slot, a 0600 file with an unguessable name in this user's private
 /dev/shm/verl_kit-<uid> that the trainer and the worker both keep mapped from one sync to the next
 (`SharedBuckets`); only the slots' paths and fresh tokens cross the RPC, in one call per sync (the worker refuses
-any other path). To another host, or with VERL_KIT_WEIGHT_SYNC=inline, each bucket goes base64 in the RPC body (80
+any other path). To another host, or with --vllm_weight_sync_transport inline, each bucket goes base64 in the RPC body (80
 MB: ~0.1 s against ~1 s on CPU, bench/README.md). The extension (`--worker-extension-cls
-verl_kit.weight_sync.WorkerExtension`) stages the buckets and commits them with the worker's
+verl_kit.rollout.weight_sync.WorkerExtension`) stages the buckets and commits them with the worker's
 `reload_weights`, which runs the model's own `load_weights` (HF checkpoint names, q/k/v and gate/up fusion) and then
 the platform's post-load processing, layer by layer. That last step is why this route works on CPU, where vLLM
 repacks linear weights at load time (a oneDNN-packed copy that the matmul reads instead of `weight`) and a plain
@@ -34,8 +34,8 @@ Untied models are unchanged (no aliases, no shared modules).
 
 A GPU fast path (NCCL / CUDA IPC through vLLM's weight-transfer API, no serialisation) can come back with a GPU test.
 
-The check after each sync lives with the backends (verl_kit.vllm_rollout.Probe): engine and trainer score a few fixed
-sequences (prompt log-probs), with `trainer_logprobs` and `max_abs_diff` below, logged as
+The check after each sync lives with the backends (verl_kit.rollout.probe.Probe): engine and trainer score a few fixed
+sequences (prompt log-probs), with `trainer_logprobs` and `max_abs_diff`, logged as
 `rollout/logprob_max_abs_diff`. An fp32 engine matches an fp32 trainer to ~1e-6 (tiny model, tied or not, on CPU);
 a stale tied output layer was 0.4 to 2 nats off after one large update.
 """
@@ -59,12 +59,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from verl_kit import lora
-from verl_kit.models import gathered_params
+from verl_kit.models import lora
+from verl_kit.models.zero3 import gathered_params
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "verl_kit.weight_sync.WorkerExtension"
+WORKER_EXTENSION = "verl_kit.rollout.weight_sync.WorkerExtension"
 _PREFIXES = ("module.", "_orig_mod.", "base_model.model.")  # DDP/DeepSpeed wrapper, torch.compile, PEFT
 
 
@@ -127,7 +127,6 @@ def gathered_buckets(model, bucket_bytes: int) -> Iterator[tuple[dict[str, torch
 _ALIASES = "verl_kit.aliases"  # safetensors header metadata: {alias: name of the tensor sent}
 _TOKEN = "verl_kit.token"  # safetensors header metadata of a same-host bucket: the token its reference carries
 SHM_PREFIX = "shm:"  # a same-host bucket travels as "shm:" + json [path, token] (base64 has no ':')
-TRANSPORT_ENV = "VERL_KIT_WEIGHT_SYNC"  # "inline": every bucket as base64 through the RPC; "auto" (default): see encode
 _SHM_ROOT = "/dev/shm"
 _SHM_NAME = re.compile(r"(\d+)-[0-9a-f]{32}\.safetensors")  # <pid of the writer>-<random>
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -145,7 +144,7 @@ def shm_dir() -> str:
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise RuntimeError(f"weight sync: {path} is not a private folder of this user (mode {oct(st.st_mode)}, "
-                           f"owner uid {st.st_uid}); remove it, or set {TRANSPORT_ENV}=inline")
+                           f"owner uid {st.st_uid}); remove it, or use --vllm_weight_sync_transport inline")
     _sweep_once(path)
     return path
 
@@ -172,16 +171,6 @@ def sweep_orphans(folder: str) -> list[str]:
         except PermissionError:  # alive, another user's pid: not ours to judge
             pass
     return removed
-
-
-def _transport() -> str:
-    from verl_kit.errors import UserError
-
-    mode = os.environ.get(TRANSPORT_ENV, "auto") or "auto"
-    if mode not in ("auto", "inline"):
-        raise UserError(f"{TRANSPORT_ENV}={mode!r}: allowed values are auto (same-host buckets through {_SHM_ROOT}) "
-                        "and inline (base64 through the RPC)")
-    return "shm" if mode == "auto" and os.path.isdir(_SHM_ROOT) else "inline"
 
 
 def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, list[tuple[str, int]], int]:
@@ -344,7 +333,7 @@ def decode(blob: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise FileNotFoundError(f"weight sync: bucket file {path} not found: is the engine on another host or in "
-                                f"another /dev/shm (a container)? Set {TRANSPORT_ENV}=inline") from None
+                                f"another /dev/shm (a container)? Use --vllm_weight_sync_transport inline") from None
     except OSError as e:  # ELOOP: a link, which O_NOFOLLOW does not follow
         raise PermissionError(f"weight sync: refused {path}: {e.strerror}") from None
     try:
@@ -440,13 +429,13 @@ class WorkerExtension:
 def sync_weights(model, push: Callable[[list[str], float], None] | None, commit: Callable[[float], None] | None,
                  bucket_mb: float, timeout_s: float, shared: SharedBuckets | None = None) -> dict:
     """Gather `model` bucket by bucket, hand the encoded buckets to `push(blobs, seconds_left)`, then call
-    `commit(seconds_left)`. Same host (`shared` given, `VERL_KIT_WEIGHT_SYNC` unset or auto, /dev/shm present): each
+    `commit(seconds_left)`. Same host (`shared` given: the backend chose same-host slots): each
     bucket is written into its slot as it is gathered and every slot's reference goes in one call after the last;
     otherwise each bucket goes inline, in a call of its own, as it is gathered. A /dev/shm with no room for a slot
     (ENOSPC): that bucket and every later one, in this sync and the next, go inline, with one warning, and the slots
     are removed after the commit. Processes that do not push (ranks without an engine) pass None but still take part
     in the gathers. Raises TimeoutError once `timeout_s` is spent. Returns weight_sync/* metrics."""
-    same_host = shared is not None and not shared.full and _transport() == "shm"
+    same_host = shared is not None and not shared.full
     t0 = time.time()
     deadline = t0 + timeout_s
     n_bytes = n_buckets = 0
@@ -479,26 +468,3 @@ def sync_weights(model, push: Callable[[list[str], float], None] | None, commit:
     seconds = time.time() - t0
     return {"weight_sync/seconds": seconds, "weight_sync/bytes": n_bytes, "weight_sync/buckets": n_buckets,
             "weight_sync/bytes_per_s": n_bytes / max(seconds, 1e-9)}
-
-
-# ---- the probe --------------------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def trainer_logprobs(model, seqs: list[list[int]], device="cpu") -> list[torch.Tensor]:
-    """Per-token log-probs of seqs[i][1:] given their prefixes under `model` (raw logits, temperature 1): a list of
-    (len(seq) - 1,) float32 CPU tensors. Collective under ZeRO-3 (every process runs the same forward)."""
-    was_training = model.training
-    model.eval()
-    L = max(len(s) for s in seqs)
-    ids = torch.zeros((len(seqs), L), dtype=torch.long)
-    att = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, s in enumerate(seqs):  # right padding: positions are 0.. for every row
-        ids[i, :len(s)], att[i, :len(s)] = torch.tensor(s), 1
-    logits = model(input_ids=ids.to(device), attention_mask=att.to(device)).logits.float()
-    lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:].to(device)[..., None]).squeeze(-1).cpu()
-    model.train(was_training)
-    return [lp[i, :len(s) - 1] for i, s in enumerate(seqs)]
-
-
-def max_abs_diff(engine: list[torch.Tensor], trainer: list[torch.Tensor]) -> float:
-    return max(float((e.float() - t.float()).abs().max()) for e, t in zip(engine, trainer) if len(t))

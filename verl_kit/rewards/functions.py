@@ -38,13 +38,12 @@ import re
 
 import torch
 
-from verl_kit.advantages import truncation_penalty
 from verl_kit.errors import UserError
-from verl_kit.tiny import BAD, GOOD
+from verl_kit.models.tiny import BAD, GOOD
 
 
 def kind_words(prompts, completions) -> list[float]:
-    """The share of a response's words that are kind adjectives (verl_kit.tiny.GOOD). A two-word reply of one kind
+    """The share of a response's words that are kind adjectives (verl_kit.models.tiny.GOOD). A two-word reply of one kind
     word scores 0.5: policies learn to shorten their replies (the benchmarks' reward; the demo uses kind_reply)."""
     out = []
     for text in completions:
@@ -54,7 +53,7 @@ def kind_words(prompts, completions) -> list[float]:
 
 
 def kind_reply(prompts, completions) -> list[float]:
-    """The embedded task: a reply earns 1/4 for each *different* kind adjective it uses (verl_kit.tiny.GOOD, up to
+    """The embedded task: a reply earns 1/4 for each *different* kind adjective it uses (verl_kit.models.tiny.GOOD, up to
     four) and loses 1/4 for each dismissive one (BAD), floored at 0. Shortening a reply cannot raise it, repeating
     one word neither: only using more kind words can."""
     out = []
@@ -116,6 +115,27 @@ def math_answer(prompts, completions, **columns) -> list[float]:
     finally:
         if outer:
             signal.alarm(max(1, outer - int(time.monotonic() - t0)))
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> str:
+    """The last number written out in `text` ("" when none): "12 + 17 = 29." -> "29", "12 + 17" -> "17". Digit
+    group commas are dropped first ("1,000" -> "1000")."""
+    found = _NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3}\b)", "", text))
+    return found[-1] if found else ""
+
+
+def final_number(prompts, completions, **columns) -> list[float]:
+    """math_answer on the completion's last written-out number only: 1.0 when that number equals the row's `answer`
+    (math-verify comparison, so "29.0" equals "29"), else 0.0.
+
+    For arithmetic prompts plain math_answer has a hole: math-verify *evaluates* a final expression, so a completion
+    that only restates the question ("12 + 17", "The answer is 12 + 17") scores 1.0 against "29", and a policy can
+    learn to echo instead of adding. Here an answer must be written as a number; "12 + 17 = 29" and "29" still
+    score 1.0."""
+    return math_answer(prompts, [last_number(c) for c in completions], **columns)
 
 
 def boxed_format(prompts, completions, **columns) -> list[float]:
@@ -272,114 +292,3 @@ def call_reward_fn(name: str, fn, prompts: list, completions: list[str], columns
             raise UserError(f"reward function {name} returned {v!r} for sample {i} (prompt {_excerpt(prompts[i])}, "
                             f"completion {_excerpt(completions[i])}); expected a finite number")
     return torch.tensor([float(v) for v in values], dtype=torch.float32)
-
-
-def weighted_sum(scores: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """sum_k w_k * s_k over reward sources; each s_k (B,) -> (B,)."""
-    return sum(w * s for w, s in zip(weights, scores))
-
-
-class Rewards:
-    """The run's sequence score: the reward functions (`specs`, comma-separated) and the optional reward model,
-    weighted (`weights`, comma-separated, in that order; default all 1) and summed, plus `missing_eos_penalty` for
-    responses cut at max length. Bad weights are a one-line UserError naming the flags."""
-
-    def __init__(self, specs: str | None, reward_model: RewardModel | None, weights: str | None,
-                 missing_eos_penalty: float = 0.0):
-        self.fns = [(s, load_reward_fn(s)) for s in (specs or "").split(",") if s.strip() not in ("", "none")]
-        self.reward_model, self.missing_eos_penalty = reward_model, missing_eos_penalty
-        n = len(self.fns) + bool(reward_model)
-        try:
-            self.weights = [float(w) for w in weights.split(",")] if weights else [1.0] * n
-        except ValueError:
-            raise UserError(f"--reward_weights {weights!r}: expected comma-separated numbers") from None
-        if n == 0 or len(self.weights) != n:
-            raise UserError(f"--reward_weights: {len(self.weights)} weight(s) for {n} reward source(s) "
-                            "(--reward_fn entries, then --reward_model_name_or_path)")
-
-    def __call__(self, prompts: list, completions: list[str], truncated: torch.Tensor,
-                 columns: dict[str, list] | None = None, *, completion_ids: list | None = None) -> torch.Tensor:
-        """Scores (B,). `columns`: the dataset's other columns, name -> one value per response (see reward_columns),
-        passed to the reward functions that take them; `completion_ids`: each response's token ids, likewise."""
-        sources = [call_reward_fn(name, fn, prompts, completions, columns, completion_ids) for name, fn in self.fns]
-        sources += [self.reward_model.score(prompts, completions)] if self.reward_model else []
-        return truncation_penalty(weighted_sum(sources, self.weights), truncated, self.missing_eos_penalty)
-
-    def of_rollout(self, rows: list[dict], rollout, tokenizer) -> torch.Tensor:
-        """Scores (B,) of a rollout.Rollout's responses, decoded with the policy's `tokenizer` (special tokens
-        dropped). `rows`: the dataset row of each response (its `prompt` field, and the other columns the reward
-        functions may read). The reward functions may also take `completion_ids` (the responses' token ids)."""
-        ids = [r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)]
-        completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        return self([r["prompt"] for r in rows], completions, rollout.truncated, reward_columns(rows),
-                    completion_ids=[x.tolist() for x in ids])
-
-
-class RewardModel:
-    """A frozen HF sequence-classification model (num_labels=1) with its own tokenizer. `model` may be a ZeRO-3
-    inference engine (see engine.frozen): every process must then call score() the same number of times
-    with the same number of samples."""
-
-    def __init__(self, model, tokenizer, device, max_length: int = 1024, batch_size: int = 16):
-        self.model, self.tokenizer, self.device = model, tokenizer, device
-        self.max_length, self.batch_size = max_length, batch_size
-
-    def texts(self, prompts: list, completions: list[str]) -> list[str]:
-        """Prompt + completion rendered for the reward model: chat messages go through its chat template."""
-        out = []
-        for prompt, completion in zip(prompts, completions):
-            if isinstance(prompt, list) and self.tokenizer.chat_template is not None:
-                out.append(self.tokenizer.apply_chat_template(
-                    prompt + [{"role": "assistant", "content": completion}], tokenize=False))
-            elif isinstance(prompt, list):
-                out.append("\n".join(m["content"] for m in prompt) + "\n" + completion)
-            else:
-                out.append(prompt + completion)
-        return out
-
-    @torch.no_grad()
-    def score(self, prompts: list, completions: list[str]) -> torch.Tensor:
-        """(B,) scores. Batches are formed from texts of similar length (sorted), so little of a forward pass is
-        padding; the batch count depends only on B (ZeRO-3 lockstep)."""
-        ids = self.tokenizer(self.texts(prompts, completions), add_special_tokens=False, truncation=True,
-                             max_length=self.max_length)["input_ids"]
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-        out = torch.zeros(len(ids), dtype=torch.float32)
-        for i in range(0, len(order), self.batch_size):
-            rows = order[i:i + self.batch_size]
-            enc = self.tokenizer.pad({"input_ids": [ids[j] for j in rows]}, return_tensors="pt")
-            logits = self.model(input_ids=enc["input_ids"].to(self.device),
-                                attention_mask=enc["attention_mask"].to(self.device)).logits
-            out[rows] = logits[:, 0].float().cpu()
-        return out
-
-
-def make_rewards(cfg, accelerator) -> Rewards:
-    """The run's Rewards from the OnlineConfig flags: `--reward_fn`, `--reward_model_name_or_path` (placed frozen:
-    a ZeRO-3 inference engine under ZeRO-3), `--reward_weights`, `--missing_eos_penalty`."""
-    from verl_kit.engine import frozen
-
-    reward_model = None
-    if cfg.reward_model_name_or_path:
-        reward_model = load_reward_model(cfg.reward_model_name_or_path, lambda load: frozen(accelerator, load),
-                                         accelerator.device, cfg.max_length, cfg.per_device_eval_batch_size)
-    return Rewards(cfg.reward_fn, reward_model, cfg.reward_weights, cfg.missing_eos_penalty)
-
-
-def load_reward_model(path: str, load_frozen, device, max_length: int, batch_size: int) -> RewardModel:
-    """A RewardModel from a local directory or hub id; `load_frozen(loader)` places it (engine.frozen)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from verl_kit.models import resolve_model_path
-
-    path = resolve_model_path(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "right"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = load_frozen(lambda: AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
-                                                                                  dtype=torch.float32))
-    config = getattr(model, "module", model).config
-    if config.pad_token_id is None:  # the score is read at the last non-pad token
-        config.pad_token_id = tokenizer.pad_token_id
-    return RewardModel(model, tokenizer, device, max_length, batch_size)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from verl_kit.distributed import all_gather, shard, unshard
+from verl_kit.data.packing import TokenBatch, forward_logits, layout, sequence_logprobs
 from verl_kit.metrics import progress
-from verl_kit.packing import TokenBatch, forward_logits, layout, sequence_logprobs
+from verl_kit.train.distributed import all_gather, shard, unshard
 
 Sequences = tuple[list[list[int]], list[list[bool]]]  # token ids and loss masks of an example's k sequences
 

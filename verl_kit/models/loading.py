@@ -4,7 +4,6 @@ Accelerator, built first, has registered its DeepSpeed config with transformers.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import logging
 import os
@@ -13,8 +12,9 @@ import shutil
 import torch
 
 from verl_kit.errors import UserError
-from verl_kit.real_model import SMOLLM2_DIR_NAME, SMOLLM2_NAME, check_gguf, smollm2_gguf_path
-from verl_kit.tiny import TINY_MODEL_NAME
+from verl_kit.models.lora import export_adapter, peft_model
+from verl_kit.models.real_model import SMOLLM2_DIR_NAME, SMOLLM2_NAME, check_gguf, smollm2_gguf_path
+from verl_kit.models.tiny import TINY_MODEL_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def resolve_model_path(name: str) -> str:
         if not os.path.isfile(os.path.join(path, "model.safetensors")):
             check_gguf()
             logger.info("converting %s into %s", smollm2_gguf_path(), path)
-            _build_outside_distributed(path, ["verl_kit.real_model", path])
+            _build_outside_distributed(path, ["verl_kit.models.real_model", path])
         return path
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
@@ -57,7 +57,7 @@ def resolve_model_path(name: str) -> str:
 
 
 def _build_outside_distributed(path: str, module_args: list[str] | None = None) -> None:
-    """Build a model (`python -m verl_kit.tiny model PATH`, or `python -m *module_args`) in a child process that knows
+    """Build a model (`python -m verl_kit.models.tiny model PATH`, or `python -m *module_args`) in a child process that knows
     nothing of the launch: inside a distributed run transformers' save_pretrained writes weights on rank 0 only, so a
     rank-1 build would be incomplete. Concurrent builds are safe (each writes a temporary directory; the first rename
     wins)."""
@@ -67,7 +67,7 @@ def _build_outside_distributed(path: str, module_args: list[str] | None = None) 
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith("ACCELERATE_")}
-    module_args = module_args or ["verl_kit.tiny", "model", path]
+    module_args = module_args or ["verl_kit.models.tiny", "model", path]
     subprocess.run([sys.executable, "-m", *module_args], env=env, check=True,
                    stdout=subprocess.DEVNULL, timeout=600)
 
@@ -90,7 +90,7 @@ def load_tokenizer(path: str):
 def load_causal_lm(path: str, attn_implementation: str | None = None, gradient_checkpointing: bool = False,
                    load_in_4bit: bool = False):
     """fp32 weights (DeepSpeed/autocast handle bf16 on GPU); gradient checkpointing without reentrancy.
-    `load_in_4bit`: NF4 base weights for QLoRA (verl_kit.lora; GPU only)."""
+    `load_in_4bit`: NF4 base weights for QLoRA (verl_kit.models.lora; GPU only)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -122,8 +122,7 @@ def uses_block_mask(model) -> bool:
 
 def export_hf(accelerator, model, tokenizer, out_dir: str) -> None:
     """Write the model (ZeRO-3 shards gathered) as safetensors + tokenizer to `out_dir`, atomically. A LoRA model:
-    the adapter in `out_dir`, the merged model in `out_dir/merged` (verl_kit.lora.export_adapter)."""
-    from verl_kit.lora import export_adapter, peft_model
+    the adapter in `out_dir`, the merged model in `out_dir/merged` (verl_kit.models.lora.export_adapter)."""
 
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
@@ -138,32 +137,3 @@ def export_hf(accelerator, model, tokenizer, out_dir: str) -> None:
         shutil.rmtree(out_dir, ignore_errors=True)
         os.rename(tmp, out_dir)
     accelerator.wait_for_everyone()
-
-
-@contextlib.contextmanager
-def outside_zero3():
-    """Build a model on one process of a ZeRO-3 run: transformers would partition it at construction (zero.Init, a
-    collective that the other processes never join). A no-op outside ZeRO-3."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
-    config = ref() if ref is not None else None
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        if config is not None:
-            hf_deepspeed.set_hf_deepspeed_config(config)
-
-
-@contextlib.contextmanager
-def gathered_params(model, params=None, modifier_rank=None):
-    """Gather ZeRO-3 partitioned parameters for the duration of the block; a no-op without ZeRO-3."""
-    params = list(model.parameters()) if params is None else list(params)
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
-            yield
-    else:
-        yield

@@ -10,8 +10,8 @@ import os
 
 import torch
 
+from verl_kit.data.packing import split_by_tokens
 from verl_kit.metrics import check_writable, setup_logging
-from verl_kit.packing import split_by_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,18 @@ def step_indices(n: int, step: int, per_step: int, seed: int, rank: int, world: 
         out.append(perms[epoch][i])
     k = per_step // world
     return out[rank * k:(rank + 1) * k]
+
+
+def derived_seed(seed: int, step: int, k: int) -> int:
+    """The one formula for a seed of step `step` of a run seeded `seed`: k = the pass over a batch (minibatch order)
+    or the rank (step_seed). A pure function of the step, so a resumed run derives the same seeds."""
+    return seed * 1_000_003 + step * 1009 + k
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A sampling seed for one step's batch on one process (its sample i then uses this + i:
+    SamplingParams.sample_seed)."""
+    return int(torch.randint(0, 2**31 - 1, (), generator=torch.Generator().manual_seed(derived_seed(seed, step, rank))))
 
 
 def steps_indices(n: int, steps: range, per_step: int, seed: int) -> list[int]:

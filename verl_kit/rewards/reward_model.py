@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from verl_kit.data.packing import TokenBatch
 from verl_kit.errors import UserError
-from verl_kit.packing import TokenBatch
 
 
 def margins(ds, source: str) -> torch.Tensor | None:
@@ -79,7 +79,7 @@ def load_reward_classifier(path: str, pad_id: int, attn_implementation: str | No
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from verl_kit.models import default_attn_implementation, quantized
+    from verl_kit.models.loading import default_attn_implementation, quantized
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the load report lists the dropped lm_head and the new score head
@@ -100,7 +100,7 @@ def score_rewards(accelerator, model, items: list, cfg, pad_id: int, block_mask:
                   desc: str = "rewards") -> torch.Tensor:
     """Rewards of every sequence of every item (scoring.Sequences): (n_items, k), on CPU, identical on all ranks,
     sharded in lockstep as scoring.score_items is."""
-    from verl_kit.scoring import score_items
+    from verl_kit.train.scoring import score_items
 
     return score_items(accelerator, model, items, cfg, pad_id, block_mask, desc, score_batch=lambda m, b: (
         sequence_rewards(m(b.input_ids, b.attention_mask, b.position_ids), b, pad_id)))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from verl_kit.errors import UserError
+from verl_kit.models.zero3 import outside_zero3
 
 logger = logging.getLogger(__name__)
 
@@ -183,8 +184,6 @@ def export_adapter(unwrapped, state_dict: dict, tokenizer, tmp: str) -> None:
     if getattr(hf, "is_quantized", False):
         logger.warning("4-bit base: no final/merged (merge the adapter onto the full-precision base instead)")
         return
-    from verl_kit.models import outside_zero3
-
     with outside_zero3():  # on this process only: not partitioned
         plain = type(hf)(hf.config).float()
     base = {base_name(k).removeprefix("base_model.model."): v for k, v in state_dict.items() if not is_adapter_param(k)}

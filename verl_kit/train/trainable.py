@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from verl_kit.distributed import zero_stage
+from verl_kit.train.distributed import zero_stage
 
 
 class Trainable:

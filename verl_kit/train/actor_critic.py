@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from verl_kit.models import uses_block_mask
-from verl_kit.packing import TokenBatch, layout, logprobs_from_logits
+from verl_kit.data.packing import TokenBatch, layout, logprobs_from_logits
+from verl_kit.models.loading import uses_block_mask
 
 
 class CriticModel(nn.Module):

@@ -1,14 +1,14 @@
-"""vLLM rollout backends behind the interface of verl_kit.rollout (`load_weights(actor)`, `generate(prompts, params)`).
+"""vLLM rollout backends behind the interface of verl_kit.rollout.hf (`load_weights(actor)`, `generate(prompts, params)`).
 
 VLLMColocated   a `vllm.LLM` engine inside each training process (its engine core runs in a child process; the
                 script that builds it needs an `if __name__ == "__main__":` guard).
 VLLMServer      a client of an OpenAI-compatible vLLM server (`make vllm-serve MODEL=...`, or one a run
-                starts itself: verl_kit.vllm_server): health check with a connect timeout, retries with
+                starts itself: verl_kit.rollout.vllm_server): health check with a connect timeout, retries with
                 backoff on transient errors, a clear error instead of a hang when the server goes away.
 
 Both return response token ids and the log-probs of the sampled tokens under the sampling distribution (the engine
 runs with logprobs_mode=processed_logprobs: temperature, top-k and top-p applied, like the HF backend), and
-`load_weights` pushes the gathered actor into the engine (verl_kit.weight_sync), then checks it with a probe batch
+`load_weights` pushes the gathered actor into the engine (verl_kit.rollout.weight_sync), then checks it with a probe batch
 and returns the sync metrics, `rollout/logprob_max_abs_diff` among them.
 
 Memory: on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB (`kv_cache_gib`). To fit trainer and engine on one GPU,
@@ -22,15 +22,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from dataclasses import replace
 
 import torch
 
 from verl_kit.errors import UserError
-from verl_kit.rollout import Rollout, SamplingParams
-from verl_kit.vllm_server import auth_headers, is_loopback_url
-from verl_kit.weight_sync import WORKER_EXTENSION, SharedBuckets, max_abs_diff, sync_weights, trainer_logprobs
+from verl_kit.rollout.probe import Probe, default_probe_threshold
+from verl_kit.rollout.types import Rollout, SamplingParams
+from verl_kit.rollout.weight_sync import WORKER_EXTENSION, SharedBuckets, sync_weights
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +46,13 @@ def _cpu_env(kv_cache_gib: float, threads: int | None = None):
     computes with that many OpenMP threads, bound to the first `threads` cores this process may use. None keeps
     vLLM's own binding (VLLM_CPU_OMP_THREADS_BIND=auto, or what the user set): every core but one, which it reserves
     for the engine core's scheduling loop; so on 2 cores the model runs on one, whatever torch uses in this process."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib))}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
+           "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1")}  # the engine's own sockets: loopback
     if threads is not None:
         cores = sorted(os.sched_getaffinity(0))
         if not 1 <= threads <= len(cores):
             raise UserError(f"vLLM cpu_threads={threads}: this process may use {len(cores)} cores")
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[:threads]))
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -95,55 +94,15 @@ def to_rollout(prompts_n: list[list[int]], completions: list[tuple[list[int], li
     return Rollout(prompts_n, response, mask, logprobs, truncated)
 
 
-def default_probe_threshold(dtype: str) -> float:
-    """The probe's bound when --vllm_probe_threshold is not given, from the engine dtype (the trainer is fp32). An
-    fp32 engine scores like the fp32 trainer to ~1e-5 (measured on CPU: tiny model and SmolLM2-135M, tied or not;
-    a stale output layer gave 0.07-0.13); a bf16 engine differs by up to a few tenths on unlikely tokens."""
-    return 1e-3 if dtype == "float32" else 0.5
-
-
-class Probe:
-    """After each weight sync: engine and trainer score the same fixed sequences (prompt log-probs, temperature 1).
-    Fails the run when they disagree by more than `threshold` (the engine does not run the trained policy), or
-    when the trainer's log-probs moved since the last sync and the engine's did not follow (nothing was synced;
-    a loose bf16 threshold alone would let a stale engine through small updates)."""
-
-    def __init__(self, prompts: list[list[int]], threshold: float):
-        self.prompts, self.threshold = prompts, threshold
-        self.last: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (engine, trainer) log-probs
-
-    def check(self, engine_score, actor, scores_here: bool) -> dict:
-        """Collective (trainer forward under ZeRO-3). `engine_score(seqs)` -> engine log-probs, called only where
-        `scores_here` (the process that talks to the engine); every process takes the same decision."""
-        from verl_kit.distributed import reduce_metrics
-
-        trainer = trainer_logprobs(actor, self.prompts, next(actor.parameters()).device)
-        engine = engine_score(self.prompts) if scores_here else trainer
-        diff, trainer_moved, engine_moved = max_abs_diff(engine, trainer), 0.0, 0.0
-        if self.last is not None:
-            engine_moved, trainer_moved = max_abs_diff(engine, self.last[0]), max_abs_diff(trainer, self.last[1])
-        # An engine at lower precision may legitimately not move under an update smaller than its threshold.
-        stale = trainer_moved > max(self.threshold, 1e-3) and engine_moved < 0.5 * trainer_moved
-        m = reduce_metrics({}, {"diff": diff, "stale": float(stale)})
-        if m["stale"]:
-            raise RuntimeError(f"weight sync had no effect: the trainer's probe log-probs moved by "
-                               f"{trainer_moved:.4g} since the last sync, the engine's by {engine_moved:.4g}")
-        if m["diff"] > self.threshold:
-            raise RuntimeError(f"rollout/logprob_max_abs_diff {m['diff']:.4g} > {self.threshold:.3g} "
-                               "(--vllm_probe_threshold): the vLLM engine does not score like the trained policy; the "
-                               "weight sync failed or the engine runs another dtype/model. Stopping rather than "
-                               "training on off-policy samples.")
-        self.last = engine, trainer
-        return {"rollout/logprob_max_abs_diff": m["diff"], "rollout/probe_trainer_moved": trainer_moved,
-                "rollout/probe_engine_moved": engine_moved}
-
-
-class _Checked:
-    """Shared by both backends: weight sync into the engine, then the probe."""
+class SyncedBackend:
+    """Shared by both vLLM backends: weight sync into the engine, then the probe. `transport`: "auto" (same-host
+    slots in /dev/shm when the engine runs on this host) or "inline" (base64 through the RPC;
+    --vllm_weight_sync_transport)."""
 
     probe: Probe | None
     bucket_mb: float
     sync_timeout_s: float
+    transport: str = "auto"
 
     def _push(self, blobs: list[str], seconds: float) -> None:
         raise NotImplementedError
@@ -173,7 +132,8 @@ class _Checked:
         """Weight sync + probe. Collective: every training process calls it at the same point, after each update.
         Returns weight_sync/* metrics (`version`: the optimizer step that produced these weights, the policy version
         the next rollouts come from) and the probe's rollout/* metrics; raises RuntimeError when the probe fails."""
-        if self.pushes and self.same_host and self._shared is None:
+        if self.pushes and self.same_host and self.transport == "auto" and self._shared is None \
+                and os.path.isdir("/dev/shm"):
             self._shared = SharedBuckets()
         metrics = sync_weights(actor, self._push if self.pushes else None, self._commit if self.pushes else None,
                                self.bucket_mb, self.sync_timeout_s, self._shared)
@@ -183,7 +143,7 @@ class _Checked:
         return metrics
 
 
-class VLLMColocated(_Checked):
+class VLLMColocated(SyncedBackend):
     """A vllm.LLM engine in this process (one per training process; with tensor_parallel_size > 1 it spans that many
     devices). The weights start from `model_path`; call load_weights(actor) before the first rollout and after every
     update."""
@@ -193,8 +153,9 @@ class VLLMColocated(_Checked):
                  enable_sleep_mode: bool = False, kv_cache_gib: int = 1, seed: int = 0, bucket_mb: float = 256,
                  sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
                  probe_threshold: float | None = None, enforce_eager: bool | None = None,
-                 cpu_threads: int | None = None):
-        """`cpu_threads` (CPU only): compute threads of the engine's worker (see `_cpu_env`); None: vLLM's binding."""
+                 cpu_threads: int | None = None, world_size: int = 1, transport: str = "auto"):
+        """`cpu_threads` (CPU only): compute threads of the engine's worker (see `_cpu_env`); None: vLLM's binding.
+        `world_size`: training processes, each with its own engine."""
         import vllm
 
         gpu = _on_gpu()
@@ -207,8 +168,7 @@ class VLLMColocated(_Checked):
         # seeded rollout of a realistic size (every sample is seeded, see generate). Whole prompts per step instead.
         kwargs = (dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep) if gpu
                   else dict(enable_chunked_prefill=False))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if gpu and world > 1:
+        if gpu and world_size > 1:
             # One engine per training process on that process's GPU (TRL's colocate layout). Not run in CI.
             if tensor_parallel_size > 1:
                 raise UserError("--vllm_tensor_parallel_size > 1 with a colocated engine needs one training process "
@@ -221,7 +181,7 @@ class VLLMColocated(_Checked):
                                 logprobs_mode="processed_logprobs", enforce_eager=not gpu if enforce_eager is None
                                 else enforce_eager, **kwargs)
         self.tokenizer = tokenizer
-        self.bucket_mb, self.sync_timeout_s = bucket_mb, sync_timeout_s
+        self.bucket_mb, self.sync_timeout_s, self.transport = bucket_mb, sync_timeout_s, transport
         self.probe = Probe(probe_prompts, probe_threshold or default_probe_threshold(dtype)) if probe_prompts else None
 
     def _push(self, blobs: list[str], seconds: float) -> None:
@@ -251,7 +211,7 @@ class VLLMColocated(_Checked):
         if params.seed is None:
             outs = self._run(prompts, vllm_sampling(params))
         else:
-            outs = self._run(prompts_n, [vllm_sampling(replace(params, n=1, seed=params.seed + i))
+            outs = self._run(prompts_n, [vllm_sampling(replace(params, n=1, seed=params.sample_seed(i)))
                                          for i in range(len(prompts_n))])
         completions = [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
                         c.finish_reason == "length") for o in outs for c in o.outputs]
@@ -273,114 +233,3 @@ class VLLMColocated(_Checked):
             del self.llm  # the engine client's finalizer stops the engine core and its workers
             gc.collect()
         self._close_shared()
-
-
-# ---- server ------------------------------------------------------------------------------------------------------
-
-class _Transient(Exception):
-    pass
-
-
-class VLLMServer(_Checked):
-    """Client of an OpenAI-compatible vLLM server. Weight sync needs a server started by this module (or `make
-    vllm-serve`): VLLM_SERVER_DEV_MODE=1 and the verl_kit worker extension. `pushes`: False on training processes
-    other than the one that syncs the weights (they still join the ZeRO-3 gathers)."""
-
-    def __init__(self, base_url: str, tokenizer, *, model: str | None = None, connect_timeout_s: float = 10,
-                 request_timeout_s: float = 600, max_retries: int = 4, backoff_s: float = 0.5,
-                 bucket_mb: float = 64, sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
-                 probe_threshold: float | None = None, dtype: str = "auto", pushes: bool = True):
-        self.url = base_url.rstrip("/")
-        self.tokenizer = tokenizer
-        self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s
-        self.max_retries, self.backoff_s = max_retries, backoff_s
-        self.bucket_mb, self.sync_timeout_s = bucket_mb, sync_timeout_s
-        self.probe = Probe(probe_prompts, probe_threshold or default_probe_threshold(dtype)) if probe_prompts else None
-        self._pushes = pushes
-        try:
-            models = self._request("GET", "/v1/models", None, connect_timeout_s, retries=1)
-        except RuntimeError as e:
-            raise UserError(f"--vllm_server_url {self.url}: no vLLM server answers ({e}); start one with "
-                            "`make vllm-serve MODEL=...` or leave the URL empty to let the run start its own") from None
-        self.model = model or models["data"][0]["id"]
-
-    @property
-    def pushes(self) -> bool:
-        return self._pushes
-
-    def _request(self, method: str, path: str, payload: dict | None, timeout: float, retries: int | None = None):
-        """One HTTP call with retries and exponential backoff on connection errors, timeouts and 5xx/429; any other
-        HTTP error raises at once. A dead server fails after about backoff_s * 2**max_retries seconds."""
-        import requests
-
-        retries = self.max_retries if retries is None else retries
-        last = None
-        for attempt in range(retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                r = requests.request(method, self.url + path, json=payload, headers=auth_headers(),
-                                     timeout=(min(self.connect_timeout_s, timeout), timeout))
-                if r.status_code in (429, 500, 502, 503, 504):
-                    raise _Transient(f"HTTP {r.status_code}: {r.text[:300]}")
-                if r.status_code >= 400:
-                    raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
-                return r.json() if r.content else None
-            except (requests.ConnectionError, requests.Timeout, _Transient) as e:
-                last = e
-                logger.warning("vLLM server %s%s: %s (attempt %d/%d)", self.url, path, type(e).__name__,
-                               attempt + 1, retries + 1)
-        raise RuntimeError(f"vLLM server {self.url}{path} unreachable after {retries + 1} attempts: "
-                           f"{str(last).splitlines()[0][:300]}")
-
-    def _rpc(self, method: str, args: list[str], seconds: float, retries: int | None = None):
-        body = {"method": method, "args": args, "timeout": seconds}
-        return self._request("POST", "/collective_rpc", body, seconds, retries)
-
-    @property
-    def same_host(self) -> bool:
-        """A server on a loopback URL runs on this host and reads buckets from its /dev/shm; any other gets them
-        inline (base64 in the JSON body)."""
-        return is_loopback_url(self.url)
-
-    def _push(self, blobs: list[str], seconds: float) -> None:
-        self._rpc("verl_kit_stage", blobs, seconds)
-
-    def _commit(self, seconds: float) -> None:
-        self._rpc("verl_kit_commit", [], seconds)
-        self._request("POST", "/reset_prefix_cache", None, seconds)
-
-    def _completions(self, prompts: list[list[int]], body: dict) -> list[dict]:
-        out = self._request("POST", "/v1/completions", {"model": self.model, "prompt": prompts, **body},
-                            self.request_timeout_s)
-        return sorted(out["choices"], key=lambda c: c["index"])
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
-        body = dict(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                    max_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos, logprobs=0,
-                    return_token_ids=True, skip_special_tokens=False)
-        for key in ("seed", "stop"):
-            if getattr(params, key, None) is not None:
-                body[key] = getattr(params, key)
-        choices = self._completions(prompts, body)
-        completions = [(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "length")
-                       for c in choices]
-        prompts_n = [p for p in prompts for _ in range(params.n)]
-        return to_rollout(prompts_n, completions, self.tokenizer.pad_token_id)
-
-    def close(self) -> None:
-        """Stop the server if this client's run started it. A server that stays (`--vllm_server_url`) is asked to
-        unmap this run's slots, whose memory would otherwise stay held in /dev/shm until the next run's first sync."""
-        if getattr(self, "server", None) is not None:
-            self.server.stop()
-        elif self._shared is not None and self._shared.slots:
-            try:
-                self._rpc("verl_kit_release", [], self.connect_timeout_s, retries=0)
-            except RuntimeError as e:  # a server that is gone holds nothing
-                logger.warning("vLLM server %s: slots not released: %s", self.url, e)
-        self._close_shared()
-
-    def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
-        choices = self._completions(seqs, dict(max_tokens=1, temperature=1.0, prompt_logprobs=0))
-        return [torch.tensor([lp[str(t)]["logprob"] for t, lp in zip(s[1:], c["prompt_logprobs"][1:])])
-                for s, c in zip(seqs, choices)]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_kit.advantages import kl_estimate
+from verl_kit.algos.advantages import kl_estimate
 
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 

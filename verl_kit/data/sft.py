@@ -17,7 +17,7 @@ one does not). Every piece is tokenized on its own, as prompt and completion are
 
 Truncation, the kit's one rule (data._truncate): the tokens before the first learned token (the prompt) keep their
 last `max_prompt_length`, then the sequence is cut at `max_length`. Regenerate the embedded SFT task (the tone task's
-prompts with the kind replies, as `messages`) with `python -m verl_kit.sft`.
+prompts with the kind replies, as `messages`) with `python -m verl_kit.data.sft`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import logging
 import os
 from dataclasses import dataclass
 
-from verl_kit.data import _check_field, _template_rows, _tokenize
+from verl_kit.data.datasets import _check_field, _template_rows, _tokenize
 from verl_kit.errors import UserError
-from verl_kit.tiny import ASSETS, make_preference_rows
+from verl_kit.models.tiny import ASSETS, make_preference_rows
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def truncate(ids: list[int], mask: list[bool], max_prompt_length: int, max_lengt
 
 
 def write_sft_data(out_dir: str = TINY_SFT, n_train: int = 2000, n_test: int = 200) -> None:
-    """The embedded SFT task: the tone task's prompts (verl_kit.tiny, same seeds, so the same train/test split as the
+    """The embedded SFT task: the tone task's prompts (verl_kit.models.tiny, same seeds, so the same train/test split as the
     preference data) with their kind replies, as `messages`."""
     os.makedirs(out_dir, exist_ok=True)
     for split, n, seed in [("train", n_train, 0), ("test", n_test, 1)]:

@@ -9,7 +9,7 @@ scores and updates on batch t. The weight sync after update t first waits for th
 weights only when idle), then pushes version t+1. So the batch of step t+1 comes from the policy of step t: one step
 stale, `rollout/staleness` = step - version of the weights that sampled it. `--max_staleness K` keeps K batches ahead;
 K = 0 runs every generation through the same thread but only when its step asks for it (no overlap, the numbers of
-the synchronous recipe). The off-policy samples are corrected with importance weights (verl_kit.off_policy).
+the synchronous recipe). The off-policy samples are corrected with importance weights (verl_kit.algos.off_policy).
 
 Everything that uses the engine (generation, held-out evaluation) runs on the one rollout thread, in the order it was
 asked for, so the engine sees the same sequence of requests in every run; the weight sync and its probe run on the
@@ -29,22 +29,30 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 
-import torch
-
-from verl_kit.rollout import Rollout, SamplingParams
+from verl_kit.rollout.backends import make_backend, start_server
+from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams
+from verl_kit.rollout.vllm_server import ServerProcess
+from verl_kit.train.checkpoint import resume
+from verl_kit.train.distributed import step_indices, step_seed
 
 
 class Rollouts:
-    """`request(step) -> (prompts, SamplingParams)`: what step `step` generates (a pure function of the step, so it
-    can be asked ahead of time and again after a resume). `max_staleness`: None for synchronous rollouts, else how
-    many steps ahead batches are generated. The engine: a rollout backend (verl_kit.rollout)."""
+    """`request(step) -> (prompt indices, prompts, SamplingParams)`: what step `step` generates (a pure function of
+    the step, so it can be asked ahead of time and again after a resume); each batch carries its prompts' indices
+    (`Rollout.prompt_index`). `max_staleness`: None for synchronous rollouts, else how many steps ahead batches are
+    generated. `engine`: a RolloutBackend; `server`: a vLLM server the run started, stopped by close();
+    `eval_params`: the held-out evaluation's sampling."""
 
-    def __init__(self, engine, request: Callable[[int], tuple[list[list[int]], SamplingParams]], total_steps: int,
-                 max_staleness: int | None = None, timeout_s: float = 1800):
+    def __init__(self, engine: RolloutBackend,
+                 request: Callable[[int], tuple[list[int], list[list[int]], SamplingParams]], total_steps: int,
+                 max_staleness: int | None = None, timeout_s: float = 1800, server: ServerProcess | None = None,
+                 eval_params: SamplingParams | None = None):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness {max_staleness}: use >= 0")
         self.engine, self.request, self.total_steps = engine, request, total_steps
+        self.server, self.eval_params = server, eval_params
         self.ahead, self.timeout_s = max_staleness, timeout_s
         self.version = 0  # of the weights the engine has
         self.batches: dict[int, tuple[Future, int]] = {}  # step -> (its rollout, the version that generates it)
@@ -82,7 +90,11 @@ class Rollouts:
 
     def _submit(self, step: int) -> None:
         if step < self.total_steps and step not in self.batches:
-            self.batches[step] = (self._call(self.engine.generate, *self.request(step)), self.version)
+            idx, prompts, params = self.request(step)
+            self.batches[step] = (self._call(self._generate, idx, prompts, params), self.version)
+
+    def _generate(self, idx: list[int], prompts: list[list[int]], params: SamplingParams) -> Rollout:
+        return replace(self.engine.generate(prompts, params), prompt_index=[i for i in idx for _ in range(params.n)])
 
     # ---- the trainer's side -------------------------------------------------------------------------------------
     def get(self, step: int) -> tuple[Rollout, int]:
@@ -109,6 +121,8 @@ class Rollouts:
         if self.ahead is not None:
             self._jobs.put((None, None, None))
         self.engine.close()
+        if self.server is not None:
+            self.server.stop()
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -118,40 +132,47 @@ class Rollouts:
             ro = self._wait(future, f"the rollout of step {step}")
             out[step] = {"version": version, "prompt_ids": ro.prompt_ids, "response_ids": ro.response_ids,
                          "response_mask": ro.response_mask, "sampling_logprobs": ro.sampling_logprobs,
-                         "truncated": ro.truncated}
+                         "truncated": ro.truncated, "prompt_index": ro.prompt_index}
         return {"batches": out}
 
     def load_state_dict(self, state: dict) -> None:
         for step, b in state["batches"].items():
             future: Future = Future()
             future.set_result(Rollout(b["prompt_ids"], b["response_ids"], b["response_mask"], b["sampling_logprobs"],
-                                      b["truncated"]))
+                                      b["truncated"], b.get("prompt_index")))
             self.batches[int(step)] = (future, b["version"])
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """A sampling seed for one step's batch on one process (a sample's seed adds its index)."""
-    return int(torch.randint(0, 2**31 - 1, (), generator=torch.Generator().manual_seed(
-        seed * 1_000_003 + step * 1009 + rank)))
+def sampling_params(cfg) -> SamplingParams:
+    """A step's sampling (OnlineConfig flags)."""
+    return SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length, cfg.num_generations,
+                          cfg.ignore_eos)
 
 
-def recipe_rollouts(cfg, engine, prompt_ids: list[list[int]], sampling: SamplingParams, total_steps: int, rank: int,
-                    world: int) -> tuple[Rollouts, SamplingParams]:
-    """The online recipes' Rollouts (OnlineConfig flags: synchronous, or --async_rollout ahead by --max_staleness)
-    over `prompt_ids`, and the sampling of the held-out evaluation. A step generates its prompts on this process
-    (distributed.step_indices); the colocated engine seeds every sample from (seed, step, rank, index), so a resumed
-    run draws the same ones, and evaluates with fixed seeds."""
-    from dataclasses import replace
+def start_rollouts(cfg, accelerator, actor, model_path: str, tokenizer, prompt_ids: list[list[int]],
+                   total_steps: int) -> tuple[Rollouts, int]:
+    """The online recipes' setup, in the one order that works: the `--rollout` backend (and the vLLM server a run
+    starts for itself), its Rollouts (synchronous, or --async_rollout ahead by --max_staleness) over `prompt_ids`,
+    resume from a checkpoint (with the batches generated ahead and not yet trained on), then the weight sync of the
+    (restored) unwrapped `actor` into the backend. Returns the Rollouts and the first step to train.
 
-    from verl_kit.distributed import step_indices
+    A step generates its prompts on this process (train.distributed.step_indices). The colocated engine seeds every
+    sample from (seed, step, rank, index), so a resumed run draws the same ones, and evaluates with fixed seeds
+    (`Rollouts.eval_params`)."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    server, url = start_server(cfg, accelerator, model_path) if cfg.rollout == "vllm-server" else (None, None)
+    backend = make_backend(cfg, accelerator, actor, model_path, tokenizer, prompt_ids[:cfg.vllm_probe_size], url)
+    sampling = sampling_params(cfg)
 
     def seed(step: int) -> int | None:
         return step_seed(cfg.seed, step, rank) if cfg.rollout == "vllm" else None
 
     def request(step: int):
         idx = step_indices(len(prompt_ids), step, cfg.prompts_per_step, cfg.seed, rank, world)
-        return [prompt_ids[i] for i in idx], replace(sampling, seed=seed(step))
+        return idx, [prompt_ids[i] for i in idx], replace(sampling, seed=seed(step))
 
-    rollouts = Rollouts(engine, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
-                        cfg.rollout_timeout_s)
-    return rollouts, replace(sampling, n=1, seed=seed(-1))
+    rollouts = Rollouts(backend, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
+                        cfg.rollout_timeout_s, server=server, eval_params=replace(sampling, n=1, seed=seed(-1)))
+    start = resume(accelerator, cfg, per_rank=rollouts)
+    rollouts.load_weights(actor, version=start)
+    return rollouts, start

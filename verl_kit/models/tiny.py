@@ -3,7 +3,7 @@
 The task ("tone") is a preference between two replies to the same request that differ only in the polarity of their
 adjectives: chosen replies are kind, rejected replies are dismissive. Openers, closers, topics and lengths are shared
 and drawn at random, so a model can only separate the two by learning which adjectives are preferred; the held-out
-split uses fresh combinations. Regenerate the shipped files with `python -m verl_kit.tiny data`.
+split uses fresh combinations. Regenerate the shipped files with `python -m verl_kit.models.tiny data`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TINY_PREFS = str(ASSETS / "tiny_prefs")  # directory with train.jsonl and test.jsonl (conversational, explicit prompt)
-TINY_MODEL_NAME = "tiny-llama"  # resolved by verl_kit.models.resolve_model_path to a model built on first use
+TINY_MODEL_NAME = "tiny-llama"  # resolved by verl_kit.models.loading.resolve_model_path to a model built on first use
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
@@ -141,4 +141,4 @@ if __name__ == "__main__":
         out = sys.argv[2] if len(sys.argv) > 2 else "tiny-llama"
         print(build_tiny_model(out))
     else:
-        sys.exit(f"usage: python -m verl_kit.tiny data|model [OUT_DIR] (got {what!r})")
+        sys.exit(f"usage: python -m verl_kit.models.tiny data|model [OUT_DIR] (got {what!r})")

@@ -3,8 +3,8 @@ seed.
 
 arith   "What is 17 + 25? Reply with only the number." (operands 1..30): chat-message `prompt`, reference `answer` (a
         string, "42"). 128 held-out problems (test.jsonl) never appear in train.jsonl (3000 rows drawn from the other
-        772 problems, each 3-4 times). Scored with `final_number` below. Regenerate the shipped files with
-        `python -m verl_kit.tasks arith`; recipes/configs/grpo_arith.yaml trains on it.
+        772 problems, each 3-4 times). Scored with `verl_kit.rewards:final_number`. Regenerate the shipped files with
+        `python -m verl_kit.data.tasks arith`; recipes/configs/grpo_arith.yaml trains on it.
 
 Why this task for SmolLM2-135M-Instruct (measured with vLLM on the 128 held-out prompts, final_number as the
 scorer): the model knows the form and often the sum ("14 + 9 = 23"), but not reliably: greedy it is right on 0.33 of
@@ -20,37 +20,13 @@ import argparse
 import json
 import os
 import random
-import re
 import sys
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 ARITH = str(ASSETS / "arith")  # directory with train.jsonl and test.jsonl, for --dataset_name
 
 ARITH_INSTRUCTION = "Reply with only the number."
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def last_number(text: str) -> str:
-    """The last number written out in `text` ("" when none): "12 + 17 = 29." -> "29", "12 + 17" -> "17". Digit
-    group commas are dropped first ("1,000" -> "1000")."""
-    found = _NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3}\b)", "", text))
-    return found[-1] if found else ""
-
-
-def final_number(prompts, completions, **columns) -> list[float]:
-    """math_answer on the completion's last written-out number only: 1.0 when that number equals the row's `answer`
-    (math-verify comparison, so "29.0" equals "29"), else 0.0.
-
-    For arithmetic prompts plain math_answer has a hole: math-verify *evaluates* a final expression, so a completion
-    that only restates the question ("12 + 17", "The answer is 12 + 17") scores 1.0 against "29", and a policy can
-    learn to echo instead of adding. Here an answer must be written as a number; "12 + 17 = 29" and "29" still
-    score 1.0."""
-    from verl_kit.rewards import math_answer
-
-    return math_answer(prompts, [last_number(c) for c in completions], **columns)
-
-
 def arith_problems(lo: int = 1, hi: int = 30, ops: str = "+") -> list[tuple[int, str, int]]:
     """Every problem (a, op, b) with lo <= a, b <= hi, in a fixed order; subtraction only where a >= b."""
     return [(a, op, b) for op in ops for a in range(lo, hi + 1) for b in range(lo, hi + 1)
@@ -100,7 +76,7 @@ def write_arith(out_dir: str = ARITH, **kwargs) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m verl_kit.tasks", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m verl_kit.data.tasks", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="task", required=True)
     arith = sub.add_parser("arith", help="write the arith task (train.jsonl, test.jsonl)")
     arith.add_argument("--out", default=ARITH, help="output directory (default: the shipped assets/arith)")

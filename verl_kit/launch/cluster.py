@@ -1,10 +1,10 @@
 """Multi-node runs on a Ray cluster: the recipe and accelerate config of a local run, launched once per node.
 
-    python -m verl_kit.cluster up                                    # local head on 127.0.0.1, dashboard :8265
-    python -m verl_kit.cluster up --address HEAD_IP:6379 --node_ip MY_IP   # join a head from another node
-    python -m verl_kit.cluster run --recipe recipes/dpo.py --nodes 2 --procs_per_node 8 \\
+    python -m verl_kit.launch.cluster up                                    # local head on 127.0.0.1, dashboard :8265
+    python -m verl_kit.launch.cluster up --address HEAD_IP:6379 --node_ip MY_IP   # join a head from another node
+    python -m verl_kit.launch.cluster run --recipe recipes/dpo.py --nodes 2 --procs_per_node 8 \\
         --accelerate_config accelerate_configs/zero3.yaml -- --output_dir /shared/runs/dpo
-    python -m verl_kit.cluster status | logs [--job_id ID] | stop [--job_id ID] | down
+    python -m verl_kit.launch.cluster status | logs [--job_id ID] | stop [--job_id ID] | down
 
 Ray schedules and supervises; torch.distributed (NCCL on GPU, gloo on CPU) does the collectives. `run` submits a Ray
 job (the working directory travels with it) whose driver (`_driver` below) reserves one placement-group bundle per
@@ -149,7 +149,7 @@ class NodeAgent:
 
     def start(self, cmd: list[str], env: dict, grace_s: float) -> int:
         """Start the reaper (which starts `cmd`); returns the reaper's pid."""
-        reaper = [sys.executable, "-m", "verl_kit.cluster", "_reap", "--parent", str(os.getpid()),
+        reaper = [sys.executable, "-m", "verl_kit.launch.cluster", "_reap", "--parent", str(os.getpid()),
                   "--grace_s", str(grace_s), "--", *cmd]
         proc = subprocess.Popen(reaper, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -498,7 +498,7 @@ def run(args) -> int:
     out = _output_dir(args)
     env = {k: v for k, v in os.environ.items()
            if (k.startswith(PASS_ENV_PREFIXES) or k in PASS_ENV_NAMES)}
-    driver = [args.python, "-m", "verl_kit.cluster", "_driver", "--recipe", args.recipe, "--nodes", str(args.nodes),
+    driver = [args.python, "-m", "verl_kit.launch.cluster", "_driver", "--recipe", args.recipe, "--nodes", str(args.nodes),
               "--procs_per_node", str(args.procs_per_node), "--accelerate_config", args.accelerate_config,
               "--cpus_per_node", str(args.cpus_per_node), "--gpus_per_node", str(args.gpus_per_node),
               "--node_timeout_s", str(args.node_timeout_s), "--placement_timeout_s", str(args.placement_timeout_s),
@@ -514,7 +514,7 @@ def run(args) -> int:
     print(f"[cluster] submitted job {job_id} to {args.address}: {args.nodes} node(s) x {args.procs_per_node} "
           f"process(es); output_dir {out} must be on storage every node sees", flush=True)
     if args.detach:
-        print(f"[cluster] follow: python -m verl_kit.cluster logs --job_id {job_id} --follow", flush=True)
+        print(f"[cluster] follow: python -m verl_kit.launch.cluster logs --job_id {job_id} --follow", flush=True)
         return 0
     return follow(client, job_id)
 
@@ -569,7 +569,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         k = argv.index("--")
         argv, recipe_args = argv[:k], argv[k + 1:]
     env_address = os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_DASHBOARD_ADDRESS")
-    p = argparse.ArgumentParser(prog="python -m verl_kit.cluster", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m verl_kit.launch.cluster", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("up", help="start a Ray head (default: local, on 127.0.0.1) or join one (--address)")

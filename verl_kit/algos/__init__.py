@@ -1,0 +1,33 @@
+"""Pure maths, tensors in and out (imports only torch): advantages and KL estimators, preference losses (DPO,
+IPO, KTO, Bradley-Terry), policy and value losses with their reductions, off-policy importance weights."""
+
+from verl_kit.algos.advantages import (
+    AdaptiveKLController,
+    FixedKLController,
+    gae,
+    group_advantages,
+    kl_estimate,
+    masked_moments,
+    masked_variance,
+    token_rewards,
+    truncation_penalty,
+    whiten,
+)
+from verl_kit.algos.off_policy import MODES, check_args, importance_weights, mismatch_metrics, reweight, step_metrics
+from verl_kit.algos.policy import (
+    entropy_from_logits,
+    loss_weights,
+    policy_clipped,
+    policy_loss,
+    token_mean_share,
+    value_clipped,
+    value_loss,
+)
+from verl_kit.algos.preference import (
+    bradley_terry_loss,
+    dpo_logits,
+    dpo_loss,
+    implicit_rewards,
+    kl_reference_point,
+    kto_loss,
+)

@@ -1,0 +1,37 @@
+"""Datasets in TRL's formats -> token ids: loading and bad-row errors, SFT formatting, packing (TokenBatch, packed or
+padded layout, token log-probs), the embedded tasks."""
+
+from verl_kit.data.datasets import (
+    PreferenceExample,
+    UnpairedExample,
+    load_split,
+    load_splits,
+    mismatched_partners,
+    preference_examples,
+    unpaired_examples,
+)
+from verl_kit.data.packing import (
+    TokenBatch,
+    block_causal_mask,
+    forward_logits,
+    layout,
+    logprobs_from_logits,
+    pack_balanced,
+    pack_rows,
+    row_cost,
+    sequence_logprobs,
+    split_by_tokens,
+    token_logprobs,
+)
+from verl_kit.data.sft import TINY_SFT, SFTExample, sft_examples, sft_format, truncate, write_sft_data
+from verl_kit.data.tasks import (
+    ARITH,
+    ARITH_INSTRUCTION,
+    ASSETS,
+    arith_problems,
+    arith_row,
+    arith_splits,
+    main,
+    write_arith,
+    write_jsonl,
+)

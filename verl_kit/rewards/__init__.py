@@ -1,0 +1,25 @@
+"""Rewards: reward functions (TRL's calling convention), a frozen reward model, their weighted sum, and training a
+reward model."""
+
+from verl_kit.rewards.combined import RewardModel, Rewards, load_reward_model, make_rewards, weighted_sum
+from verl_kit.rewards.functions import (
+    MATH_TIMEOUT_S,
+    RESERVED,
+    boxed_format,
+    call_reward_fn,
+    final_number,
+    kind_reply,
+    kind_words,
+    last_number,
+    load_reward_fn,
+    math_answer,
+    reward_columns,
+)
+from verl_kit.rewards.reward_model import (
+    TokenRewardModel,
+    last_token_index,
+    load_reward_classifier,
+    margins,
+    score_rewards,
+    sequence_rewards,
+)

@@ -1,0 +1,65 @@
+"""The --rollout factory: the backend a recipe config names (the names are checked once, in config's CHOICES), and the
+vLLM server a run starts for itself when `--rollout vllm-server` has no URL (an explicit step: the caller holds it
+and stops it)."""
+
+from __future__ import annotations
+
+import atexit
+
+import torch
+
+from verl_kit.rollout.hf import HFGenerateBackend
+from verl_kit.rollout.types import RolloutBackend
+from verl_kit.rollout.vllm_client import VLLMServer
+from verl_kit.rollout.vllm_engine import VLLMColocated
+from verl_kit.rollout.vllm_server import ServerProcess
+
+
+def rollout_dtype(accelerator) -> torch.dtype:
+    """The rollout copy's dtype: bf16 when training is, else fp32."""
+    return torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+
+
+def start_server(cfg, accelerator, model_path: str) -> tuple[ServerProcess | None, str]:
+    """The vLLM server of a `--rollout vllm-server` run: `--vllm_server_url` when given (nothing started), else process
+    0 starts one on a free 127.0.0.1 port (stopped by `.stop()`, at exit, or when process 0 dies) and every process
+    gets its URL. Collective. Returns (the server this process started or None, its URL)."""
+    if cfg.vllm_server_url:
+        return None, cfg.vllm_server_url
+    server = None
+    if accelerator.process_index == 0:
+        server = ServerProcess(model_path, dtype=str(rollout_dtype(accelerator)).removeprefix("torch."),
+                               kv_cache_gib=cfg.vllm_kv_cache_gib, max_num_seqs=cfg.vllm_max_num_seqs,
+                               max_model_len=cfg.max_length,
+                               extra=["--tensor-parallel-size", str(cfg.vllm_tensor_parallel_size),
+                                      "--seed", str(cfg.seed)])
+        atexit.register(server.stop)
+    box = [server.url if server else None]
+    if accelerator.num_processes > 1:
+        torch.distributed.broadcast_object_list(box, src=0)
+    return server, box[0]
+
+
+def make_backend(cfg, accelerator, actor, model_path: str, tokenizer, probe_prompts: list[list[int]],
+                 server_url: str | None = None) -> RolloutBackend:
+    """The `--rollout` backend (OnlineConfig flags) for the unwrapped `actor`: HF generate on a plain copy, a vLLM
+    engine in each process, or a client of the vLLM server at `server_url` (see start_server); only process 0 pushes
+    weights to a server."""
+    dtype = rollout_dtype(accelerator)
+    if cfg.rollout == "hf":
+        return HFGenerateBackend(actor, tokenizer, accelerator.device, dtype)
+    rank = accelerator.process_index
+    vllm_dtype = str(dtype).removeprefix("torch.")
+    common = dict(bucket_mb=cfg.vllm_sync_bucket_mb, sync_timeout_s=cfg.vllm_sync_timeout_s,
+                  probe_prompts=probe_prompts, probe_threshold=cfg.vllm_probe_threshold,
+                  transport=cfg.vllm_weight_sync_transport)
+    if cfg.rollout == "vllm":
+        return VLLMColocated(model_path, tokenizer, dtype=vllm_dtype, seed=cfg.seed + rank,
+                             max_model_len=cfg.max_length, tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                             max_num_seqs=cfg.vllm_max_num_seqs,
+                             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                             enable_sleep_mode=cfg.vllm_enable_sleep_mode, kv_cache_gib=cfg.vllm_kv_cache_gib,
+                             world_size=accelerator.num_processes, **common)
+    if cfg.rollout == "vllm-server":
+        return VLLMServer(server_url, tokenizer, pushes=rank == 0, dtype=vllm_dtype, **common)
+    raise ValueError(f"--rollout {cfg.rollout!r}")  # config.parse_args refuses it first

@@ -1,0 +1,70 @@
+"""The probe: after each weight sync, engine and trainer score the same fixed sequences; the run stops when they
+disagree beyond the bound or when the engine did not follow a trainer that moved (nothing was synced)."""
+
+from __future__ import annotations
+
+import torch
+
+from verl_kit.train.distributed import reduce_metrics
+
+
+@torch.no_grad()
+def trainer_logprobs(model, seqs: list[list[int]], device="cpu") -> list[torch.Tensor]:
+    """Per-token log-probs of seqs[i][1:] given their prefixes under `model` (raw logits, temperature 1): a list of
+    (len(seq) - 1,) float32 CPU tensors. Collective under ZeRO-3 (every process runs the same forward)."""
+    was_training = model.training
+    model.eval()
+    L = max(len(s) for s in seqs)
+    ids = torch.zeros((len(seqs), L), dtype=torch.long)
+    att = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):  # right padding: positions are 0.. for every row
+        ids[i, :len(s)], att[i, :len(s)] = torch.tensor(s), 1
+    logits = model(input_ids=ids.to(device), attention_mask=att.to(device)).logits.float()
+    lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:].to(device)[..., None]).squeeze(-1).cpu()
+    model.train(was_training)
+    return [lp[i, :len(s) - 1] for i, s in enumerate(seqs)]
+
+
+def max_abs_diff(engine: list[torch.Tensor], trainer: list[torch.Tensor]) -> float:
+    return max(float((e.float() - t.float()).abs().max()) for e, t in zip(engine, trainer) if len(t))
+
+
+def default_probe_threshold(dtype: str) -> float:
+    """The probe's bound when --vllm_probe_threshold is not given, from the engine dtype (the trainer is fp32). An
+    fp32 engine scores like the fp32 trainer to ~1e-5 (measured on CPU: tiny model and SmolLM2-135M, tied or not;
+    a stale output layer gave 0.07-0.13); a bf16 engine differs by up to a few tenths on unlikely tokens."""
+    return 1e-3 if dtype == "float32" else 0.5
+
+
+class Probe:
+    """After each weight sync: engine and trainer score the same fixed sequences (prompt log-probs, temperature 1).
+    Fails the run when they disagree by more than `threshold` (the engine does not run the trained policy), or
+    when the trainer's log-probs moved since the last sync and the engine's did not follow (nothing was synced;
+    a loose bf16 threshold alone would let a stale engine through small updates)."""
+
+    def __init__(self, prompts: list[list[int]], threshold: float):
+        self.prompts, self.threshold = prompts, threshold
+        self.last: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (engine, trainer) log-probs
+
+    def check(self, engine_score, actor, scores_here: bool) -> dict:
+        """Collective (trainer forward under ZeRO-3). `engine_score(seqs)` -> engine log-probs, called only where
+        `scores_here` (the process that talks to the engine); every process takes the same decision."""
+        trainer = trainer_logprobs(actor, self.prompts, next(actor.parameters()).device)
+        engine = engine_score(self.prompts) if scores_here else trainer
+        diff, trainer_moved, engine_moved = max_abs_diff(engine, trainer), 0.0, 0.0
+        if self.last is not None:
+            engine_moved, trainer_moved = max_abs_diff(engine, self.last[0]), max_abs_diff(trainer, self.last[1])
+        # An engine at lower precision may legitimately not move under an update smaller than its threshold.
+        stale = trainer_moved > max(self.threshold, 1e-3) and engine_moved < 0.5 * trainer_moved
+        m = reduce_metrics({}, {"diff": diff, "stale": float(stale)})
+        if m["stale"]:
+            raise RuntimeError(f"weight sync had no effect: the trainer's probe log-probs moved by "
+                               f"{trainer_moved:.4g} since the last sync, the engine's by {engine_moved:.4g}")
+        if m["diff"] > self.threshold:
+            raise RuntimeError(f"rollout/logprob_max_abs_diff {m['diff']:.4g} > {self.threshold:.3g} "
+                               "(--vllm_probe_threshold): the vLLM engine does not score like the trained policy; the "
+                               "weight sync failed or the engine runs another dtype/model. Stopping rather than "
+                               "training on off-policy samples.")
+        self.last = engine, trainer
+        return {"rollout/logprob_max_abs_diff": m["diff"], "rollout/probe_trainer_moved": trainer_moved,
+                "rollout/probe_engine_moved": engine_moved}

@@ -1,0 +1,98 @@
+"""Prompts in, metrics out: the online recipes' prompt splits (token ids of each dataset row's prompt), held-out
+evaluation through any rollout backend, the rollout metrics of a step and readable sample rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from verl_kit.data.datasets import load_splits
+from verl_kit.errors import UserError
+from verl_kit.metrics import progress
+from verl_kit.rollout.types import Rollout, SamplingParams
+from verl_kit.train.distributed import Tally, reduce_metrics, shard
+
+
+@dataclass
+class Prompts:
+    """A split of prompts: the dataset `rows` (dicts: `prompt` and the other columns the rewards may read) and their
+    token `ids` (the prompt rendered with the chat template, truncated)."""
+
+    rows: list[dict]
+    ids: list[list[int]]
+
+
+def load_prompt_splits(cfg, tokenizer) -> tuple[Prompts, Prompts]:
+    """The train and held-out prompts of a recipe config (the held-out set is empty without a test split)."""
+    train_ds, test_ds = load_splits(cfg)
+    splits = []
+    for ds, source in ((train_ds, cfg.dataset_name), (test_ds, f"{cfg.dataset_name}[{cfg.dataset_test_split}]")):
+        rows = list(ds) if ds is not None else []
+        splits.append(Prompts(rows, load_prompts(rows, tokenizer, cfg.max_prompt_length, source)))
+    return splits[0], splits[1]
+
+
+def rollout_metrics(ro: Rollout, scores: torch.Tensor, step_seconds: float) -> dict:
+    """reward/*, response_length/* and perf/tokens_per_s of a step's rollouts on all processes (collective)."""
+    lengths = ro.response_mask.sum(-1)
+    t = reduce_metrics({"n": len(scores), "score": scores.sum(), "score_sq": (scores ** 2).sum(),
+                        "tokens": lengths.sum(), "truncated": ro.truncated.sum(),
+                        "prompt_tokens": sum(len(p) for p in ro.prompt_ids)}, {"max_length": lengths.max()})
+    n, mean = t["n"], t["score"] / t["n"]
+    return {"reward/mean": mean, "reward/std": max(t["score_sq"] / n - mean ** 2, 0.0) ** 0.5,
+            "response_length/mean": t["tokens"] / n, "response_length/max": t["max_length"],
+            "response_length/clip_ratio": t["truncated"] / n,
+            "perf/tokens_per_s": (t["tokens"] + t["prompt_tokens"]) / step_seconds}
+
+
+def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[list[int]]:
+    """Token ids of each row's `prompt` (a string, or chat messages rendered with the generation prompt); prompts
+    longer than max_prompt_length keep their last tokens."""
+    out = []
+    for row_no, row in enumerate(ds, start=1):
+        prompt = row.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        elif isinstance(prompt, str) and prompt.strip():
+            text = prompt
+        else:
+            raise UserError(f"{source} row {row_no}: field 'prompt' must be a non-empty string or chat messages")
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt_length:])
+    return out
+
+
+@torch.no_grad()
+def evaluate(accelerator, engine, prompts: list[list[int]], raw_prompts: list, params: SamplingParams, score,
+             batch_size: int) -> dict:
+    """Mean score of the responses to held-out prompts (`score(raw_prompts, rollout) -> (B,)`, no KL term), the
+    prompts sharded over processes, `batch_size` per generate call. Every process makes the same calls (ZeRO-3
+    lockstep). The torch RNG is forked, so a run samples the same training rollouts with or without evaluation. With
+    `params.seed`, every response gets its own seed (the seed plus its prompt's position)."""
+    world, rank, n = accelerator.num_processes, accelerator.process_index, len(prompts)
+    mine = shard(n, rank, world)
+    tally = Tally()
+    starts = range(0, len(mine), batch_size)
+    with torch.random.fork_rng():
+        for i in progress(starts, "eval", len(starts), accelerator.is_main_process):
+            idx = mine[i:i + batch_size]
+            first = (rank + world * i) * params.n  # this batch's first response, over all processes
+            ro = engine.generate([prompts[j] for j in idx],
+                                 replace(params, seed=params.sample_seed(first)))
+            scores = score([raw_prompts[j] for j in idx for _ in range(params.n)], ro).view(len(idx), params.n)
+            real = torch.tensor([rank + world * (i + k) < n for k in range(len(idx))])  # not shard()'s wrap-around
+            tally.add(responses=float(real.sum()) * params.n, score=scores[real],
+                      tokens=ro.response_mask.view(len(idx), params.n, -1)[real])
+    t = tally.reduce()
+    return {"eval/reward_mean": t["score"] / t["responses"], "eval/response_length": t["tokens"] / t["responses"]}
+
+
+def sample_rows(step: int, rows: list[dict], ro: Rollout, scores: torch.Tensor, tokenizer, k: int = 4) -> list[dict]:
+    """k of a step's responses, spread over its prompts, as readable rows for samples.jsonl: step, prompt (as in the
+    dataset), completion (decoded), reward, and the row's other columns as `reference`."""
+    out = []
+    for i in range(0, len(rows), max(1, len(rows) // k))[:k]:
+        text = tokenizer.decode(ro.response_ids[i][ro.response_mask[i]], skip_special_tokens=True)
+        out.append({"step": step, "prompt": rows[i]["prompt"], "completion": text, "reward": float(scores[i]),
+                    "reference": {c: v for c, v in rows[i].items() if c != "prompt"}})
+    return out

@@ -1,0 +1,68 @@
+"""The rollout boundary: what a backend is given (SamplingParams), what it returns (Rollout) and the methods every
+backend implements (RolloutBackend). Backends: HF generate (rollout.hf), a vLLM engine in the training process
+(rollout.vllm_engine), a vLLM server (rollout.vllm_client)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    max_new_tokens: int = 32
+    n: int = 1  # samples per prompt
+    ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+    seed: int | None = None  # per-request sampling seed (vLLM backends)
+    stop: list[str] | None = None  # stop strings (vLLM backends; HF generate stops on EOS)
+
+    def sample_seed(self, i: int) -> int | None:
+        """The seed of sample i of a call (of len(prompts) * n): the call's seed + i, so a sample depends only on the
+        seed and its position, not on what the engine generated before nor on how it batches (resume exactness)."""
+        return None if self.seed is None else self.seed + i
+
+
+@dataclass
+class Rollout:
+    """B = len(prompts) * n responses; prompt i's samples are rows i*n .. i*n + n - 1.
+
+    prompt_ids         list of B token-id lists   the prompt of each response (unpadded, for packing)
+    response_ids       (B, R) long                sampled tokens, pad after the end (the EOS is kept)
+    response_mask      (B, R) bool                True on response tokens up to and including the EOS
+    sampling_logprobs  (B, R) float32             log-prob of each token under the sampling distribution
+                                                  (temperature, top-k, top-p applied), 0 outside the mask
+    truncated          (B,) bool                  no EOS within max_new_tokens
+    prompt_index       list of B ints or None     each response's prompt, as an index into the prompt list the
+                                                  batch was asked from (set by rollout.Rollouts)
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    sampling_logprobs: torch.Tensor
+    truncated: torch.Tensor
+    prompt_index: list[int] | None = None
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Every rollout backend. All four are called on every training process at the same points (the weight sync and
+    the probe are collective under ZeRO-3)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
+        """len(prompts) * params.n responses to the prompt token ids."""
+
+    def load_weights(self, actor, version: int = 0) -> dict:
+        """Weight sync from the unwrapped `actor` (collective); `version`: the optimizer step that produced the
+        weights. Returns weight_sync/* (and the probe's rollout/*) metrics."""
+
+    def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        """Per-token log-probs of seqs[i][1:] given their prefixes (temperature 1), as the backend computes them."""
+
+    def close(self) -> None:
+        """Release the engine (processes, memory, shared-memory slots)."""

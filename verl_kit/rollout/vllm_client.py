@@ -1,0 +1,126 @@
+"""Client of an OpenAI-compatible vLLM server (`make vllm-serve MODEL=...`, or one a run starts itself:
+rollout.vllm_server): health check with a connect timeout, retries with backoff on transient errors, a clear error
+instead of a hang when the server goes away."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from verl_kit.errors import UserError
+from verl_kit.rollout.probe import Probe, default_probe_threshold
+from verl_kit.rollout.types import Rollout, SamplingParams
+from verl_kit.rollout.vllm_engine import SyncedBackend, to_rollout
+from verl_kit.rollout.vllm_server import auth_headers, is_loopback_url
+
+logger = logging.getLogger(__name__)
+
+
+class _Transient(Exception):
+    pass
+
+
+class VLLMServer(SyncedBackend):
+    """Client of an OpenAI-compatible vLLM server. Weight sync needs a server started by this module (or `make
+    vllm-serve`): VLLM_SERVER_DEV_MODE=1 and the verl_kit worker extension. `pushes`: False on training processes
+    other than the one that syncs the weights (they still join the ZeRO-3 gathers)."""
+
+    def __init__(self, base_url: str, tokenizer, *, model: str | None = None, connect_timeout_s: float = 10,
+                 request_timeout_s: float = 600, max_retries: int = 4, backoff_s: float = 0.5,
+                 bucket_mb: float = 64, sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
+                 probe_threshold: float | None = None, dtype: str = "auto", pushes: bool = True,
+                 transport: str = "auto"):
+        self.url = base_url.rstrip("/")
+        self.tokenizer = tokenizer
+        self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s
+        self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.bucket_mb, self.sync_timeout_s, self.transport = bucket_mb, sync_timeout_s, transport
+        self.probe = Probe(probe_prompts, probe_threshold or default_probe_threshold(dtype)) if probe_prompts else None
+        self._pushes = pushes
+        try:
+            models = self._request("GET", "/v1/models", None, connect_timeout_s, retries=1)
+        except RuntimeError as e:
+            raise UserError(f"--vllm_server_url {self.url}: no vLLM server answers ({e}); start one with "
+                            "`make vllm-serve MODEL=...` or leave the URL empty to let the run start its own") from None
+        self.model = model or models["data"][0]["id"]
+
+    @property
+    def pushes(self) -> bool:
+        return self._pushes
+
+    def _request(self, method: str, path: str, payload: dict | None, timeout: float, retries: int | None = None):
+        """One HTTP call with retries and exponential backoff on connection errors, timeouts and 5xx/429; any other
+        HTTP error raises at once. A dead server fails after about backoff_s * 2**max_retries seconds."""
+        import requests
+
+        retries = self.max_retries if retries is None else retries
+        last = None
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                r = requests.request(method, self.url + path, json=payload, headers=auth_headers(),
+                                     timeout=(min(self.connect_timeout_s, timeout), timeout))
+                if r.status_code in (429, 500, 502, 503, 504):
+                    raise _Transient(f"HTTP {r.status_code}: {r.text[:300]}")
+                if r.status_code >= 400:
+                    raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
+                return r.json() if r.content else None
+            except (requests.ConnectionError, requests.Timeout, _Transient) as e:
+                last = e
+                logger.warning("vLLM server %s%s: %s (attempt %d/%d)", self.url, path, type(e).__name__,
+                               attempt + 1, retries + 1)
+        raise RuntimeError(f"vLLM server {self.url}{path} unreachable after {retries + 1} attempts: "
+                           f"{str(last).splitlines()[0][:300]}")
+
+    def _rpc(self, method: str, args: list[str], seconds: float, retries: int | None = None):
+        body = {"method": method, "args": args, "timeout": seconds}
+        return self._request("POST", "/collective_rpc", body, seconds, retries)
+
+    @property
+    def same_host(self) -> bool:
+        """A server on a loopback URL runs on this host and reads buckets from its /dev/shm; any other gets them
+        inline (base64 in the JSON body)."""
+        return is_loopback_url(self.url)
+
+    def _push(self, blobs: list[str], seconds: float) -> None:
+        self._rpc("verl_kit_stage", blobs, seconds)
+
+    def _commit(self, seconds: float) -> None:
+        self._rpc("verl_kit_commit", [], seconds)
+        self._request("POST", "/reset_prefix_cache", None, seconds)
+
+    def _completions(self, prompts: list[list[int]], body: dict) -> list[dict]:
+        out = self._request("POST", "/v1/completions", {"model": self.model, "prompt": prompts, **body},
+                            self.request_timeout_s)
+        return sorted(out["choices"], key=lambda c: c["index"])
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
+        body = dict(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                    max_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos, logprobs=0,
+                    return_token_ids=True, skip_special_tokens=False)
+        for key in ("seed", "stop"):
+            if getattr(params, key, None) is not None:
+                body[key] = getattr(params, key)
+        choices = self._completions(prompts, body)
+        completions = [(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "length")
+                       for c in choices]
+        prompts_n = [p for p in prompts for _ in range(params.n)]
+        return to_rollout(prompts_n, completions, self.tokenizer.pad_token_id)
+
+    def close(self) -> None:
+        """Ask the server to unmap this run's slots, whose memory would otherwise stay held in /dev/shm until the
+        next run's first sync (a server the run started is stopped by its owner: rollout.backends.start_server)."""
+        if self._shared is not None and self._shared.slots:
+            try:
+                self._rpc("verl_kit_release", [], self.connect_timeout_s, retries=0)
+            except RuntimeError as e:  # a server that is gone holds nothing
+                logger.warning("vLLM server %s: slots not released: %s", self.url, e)
+        self._close_shared()
+
+    def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        choices = self._completions(seqs, dict(max_tokens=1, temperature=1.0, prompt_logprobs=0))
+        return [torch.tensor([lp[str(t)]["logprob"] for t, lp in zip(s[1:], c["prompt_logprobs"][1:])])
+                for s, c in zip(seqs, choices)]

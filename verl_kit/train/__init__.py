@@ -1,0 +1,42 @@
+"""Training mechanics: the one optimizer-step path (Trainable), frozen scorers, accelerator and collective helpers,
+sharded scoring, packed forward passes over rollout responses, checkpoints and resume."""
+
+from verl_kit.train.actor_critic import (
+    CriticModel,
+    ResponseIndex,
+    ResponsePacker,
+    actor_logits,
+    critic_values,
+    pack_responses,
+)
+from verl_kit.train.checkpoint import (
+    MODEL_FLAGS,
+    STATE_FILE,
+    list_checkpoints,
+    load_checkpoint,
+    model_flags,
+    resolve_resume,
+    resume,
+    save_checkpoint,
+    save_if_due,
+)
+from verl_kit.train.distributed import (
+    Tally,
+    all_gather,
+    all_reduce_max,
+    derived_seed,
+    destroy,
+    make_accelerator,
+    micro_batches,
+    minibatches,
+    param_counts,
+    reduce_metrics,
+    shard,
+    step_indices,
+    step_seed,
+    steps_indices,
+    unshard,
+    zero_stage,
+)
+from verl_kit.train.scoring import Sequences, completion_sequences, make_batch, score_items, score_subset
+from verl_kit.train.trainable import Trainable, frozen
