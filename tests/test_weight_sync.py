@@ -150,7 +150,7 @@ def test_same_host_transport(models, tmp_path, monkeypatch):
     tokens); once committed the engine no longer reads them (zeroing every slot changes nothing); close() removes
     them. The worker refuses references that name any other file (the endpoint takes them from HTTP clients): a file
     outside the folder, one inside it under another name, a link named like a bucket, a path with '..'. Then the
-    inline path (VERL_KIT_WEIGHT_SYNC=inline) on the same engine, exact too."""
+    inline path (--vllm_weight_sync_transport inline) on the same engine, exact too."""
     import requests
 
     from verl_kit.models import load_causal_lm, load_tokenizer
@@ -206,11 +206,11 @@ def test_same_host_transport(models, tmp_path, monkeypatch):
             os.unlink(link)
 
         sent.clear()
-        monkeypatch.setenv("VERL_KIT_WEIGHT_SYNC", "inline")
+        client.transport = "inline"  # --vllm_weight_sync_transport inline
         out = sync_check(client, model, tok, prompts)
         assert_synced(out)
         assert inline_sent and not sent and not any(b.startswith(weight_sync.SHM_PREFIX) for b in inline_sent)
-        monkeypatch.delenv("VERL_KIT_WEIGHT_SYNC")
+        client.transport = "auto"
         assert_synced(sync_check(client, model, tok, prompts))  # the slots again, so the server maps them
         assert slot_mappings(server.proc.pid) == set(files)
         client.close()  # the server stays (not this client's): it is asked to unmap the slots

@@ -3,7 +3,7 @@
 A backend has three methods: `load_weights(actor, version) -> dict` (the weight sync, called after every update with
 the optimizer step that produced the weights; returns weight_sync/* metrics), `generate(prompts, params) -> Rollout`
 and `close()`. `make_backend` builds the one `--rollout` names: HF generate (below), or a vLLM engine or server
-(verl_kit.rollout.vllm).
+(verl_kit.rollout.vllm_engine, verl_kit.rollout.vllm_client).
 
 The HF-generate backend keeps a plain (unsharded, hook-free) copy of the policy on each process. Under ZeRO-3, calling
 generate on the training engine would all-gather every layer's parameters again at every generated token; here they

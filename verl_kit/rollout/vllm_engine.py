@@ -132,11 +132,11 @@ class SyncedBackend:
         """Weight sync + probe. Collective: every training process calls it at the same point, after each update.
         Returns weight_sync/* metrics (`version`: the optimizer step that produced these weights, the policy version
         the next rollouts come from) and the probe's rollout/* metrics; raises RuntimeError when the probe fails."""
-        if self.pushes and self.same_host and self.transport == "auto" and self._shared is None \
-                and os.path.isdir("/dev/shm"):
+        slots = self.pushes and self.same_host and self.transport == "auto" and os.path.isdir("/dev/shm")
+        if slots and self._shared is None:
             self._shared = SharedBuckets()
         metrics = sync_weights(actor, self._push if self.pushes else None, self._commit if self.pushes else None,
-                               self.bucket_mb, self.sync_timeout_s, self._shared)
+                               self.bucket_mb, self.sync_timeout_s, self._shared if slots else None)
         metrics["weight_sync/version"] = version
         if self.probe is not None:
             metrics.update(self.probe.check(self.score, actor, self.pushes))

@@ -1,5 +1,5 @@
 """The vLLM OpenAI server a run (or `make vllm-serve`) starts for weight-synced rollouts: its command, environment and
-process lifecycle. The client side is verl_kit.rollout.vllm.VLLMServer.
+process lifecycle. The client side is verl_kit.rollout.vllm_client.VLLMServer.
 
     python -m verl_kit.rollout.vllm_server serve --model tiny-llama --port 8000     # what `make vllm-serve` runs
     VLLM_API_KEY=... python -m verl_kit.rollout.vllm_server serve --model PATH --host 0.0.0.0
@@ -66,7 +66,7 @@ def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype:
             *(["--max-model-len", str(max_model_len)] if max_model_len else []),
             "--worker-extension-cls", WORKER_EXTENSION,
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
-            # CPU: no chunked prefill, as for the colocated engine (vllm_rollout.VLLMColocated): a seeded request
+            # CPU: no chunked prefill, as for the colocated engine (rollout.vllm_engine.VLLMColocated): a seeded request
             # whose prompt is prefilled in pieces kills a CPU engine.
             *([] if torch.cuda.is_available() else ["--enforce-eager", "--no-enable-chunked-prefill"]), *extra]
 
