@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from verl_kit.algos import MODES, importance_weights, mismatch_metrics, policy_loss
+from verl_kit.algos import MODES, importance_weights, mismatch_metrics, policy_loss, step_metrics
 from verl_kit.train import Tally
 
 # Four tokens of one sequence each, as (trainer probability, engine probability) -> ratio pi_old / mu:
@@ -147,7 +147,7 @@ def test_mismatch_metrics_hand_values():
     old = torch.tensor([0.4, 0.6, 0.8, 0.5]).log()
     sampling = torch.tensor([0.8, 0.4, 0.2, float("nan")]).log()
     m = mismatch_metrics(old, sampling, torch.arange(4), 4, "token_truncate")
-    assert set(m) == {"mismatch_tokens", "mismatch_kl", "sampling_logp_diff", "is_ratio", "is_clipped"}
+    assert set(m) == {"is_tokens", "mismatch_tokens", "mismatch_kl", "sampling_logp_diff", "is_ratio", "is_clipped"}
     assert all(v.shape == (4,) and not v.requires_grad for v in m.values())
     torch.testing.assert_close(m["mismatch_tokens"], torch.tensor([1.0, 1.0, 1.0, 0.0]))
     torch.testing.assert_close(m["sampling_logp_diff"], torch.tensor([0.693147, 0.405465, 1.386294, 0.0]))
@@ -162,6 +162,26 @@ def test_mismatch_metrics_hand_values():
     assert t["is_ratio"] / t["tokens"] == pytest.approx(1.5)
     assert t["is_clipped"] / t["tokens"] == pytest.approx(0.25)
     assert float(m["sampling_logp_diff"].max()) == pytest.approx(math.log(4))
+
+
+def test_step_metrics_divide_each_sum_by_its_own_count():
+    """One sequence, old = [-1, -1, -1, -1], sampling = [-1.5, nan, nan, -0.5], token_truncate (C_max 3):
+      d = old - sampling = [0.5, 0 (unscored), 0 (unscored), -0.5]
+      is_ratio = exp(d) = [1.648721, 1, 1, 0.606531], sum 4.255252 over 4 tokens: mean 1.063813
+      (dividing by the 2 scored tokens, as before, logged 2.127626)
+      is_clipped = [0, 0, 0, 0]: 0 / 4
+      |d| over the 2 scored tokens: (0.5 + 0.5) / 2 = 0.5
+      k3 = r - 1 - ln r: 1.648721 - 1 - 0.5 = 0.148721 and 0.606531 - 1 + 0.5 = 0.106531, mean 0.127626"""
+    old = torch.full((4,), -1.0)
+    sampling = torch.tensor([-1.5, float("nan"), float("nan"), -0.5])
+    tally = Tally()
+    tally.add(**mismatch_metrics(old, sampling, torch.zeros(4, dtype=torch.long), 1, "token_truncate"))
+    m = step_metrics(tally.reduce())
+    assert m["rollout/is_ratio_mean"] == pytest.approx(1.063813, abs=1e-6)
+    assert m["rollout/is_clipped_frac"] == 0.0
+    assert m["rollout/logp_diff_mean"] == pytest.approx(0.5, abs=1e-6)
+    assert m["rollout/mismatch_kl"] == pytest.approx(0.127626, abs=1e-6)
+    assert step_metrics(Tally().reduce()) == {}  # no correction this step: no metrics
 
 
 def test_mismatch_metrics_sequence_mode_and_micro_batch_sums():

@@ -24,7 +24,8 @@ default 3.0) and `vllm_importance_sampling_clip_min` (C_min, default None):
 with d_t = old_logprobs_t - sampling_logprobs_t. A sequence's ratio is the product of its token ratios (the exp of
 the summed log-ratio, not a geometric mean), so every token of a sequence must be in the same call. The bounds are
 inclusive: a ratio equal to C_max is kept as it is. A token the engine could not score (sampling log-prob NaN) has
-d_t = 0, i.e. no correction, as in TRL.
+d_t = 0, i.e. no correction, as in TRL 1.16 (GRPOTrainer._generate_and_score_completions: `nan_to_num(diff, nan=0.0)`,
+"their importance ratio is exactly 1").
 """
 
 from __future__ import annotations
@@ -84,16 +85,19 @@ def mismatch_metrics(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor
     importance_weights. Every value is per token so that `Tally.add(**metrics)` sums them over micro-batches and
     ranks; a step's metric is then the sum over the denominator below, or the running max / min of the tensor.
 
-      mismatch_tokens     1.0 where the engine scored the token (its log-prob is not NaN); a denominator
+      is_tokens           1.0 on every token; the denominator of is_ratio and is_clipped
+      mismatch_tokens     1.0 where the engine scored the token (its log-prob is not NaN); the denominator of the
+                          next two
       mismatch_kl         k3 estimate of KL(mu || pi_old), mu the engine, from the engine's samples:
                           r - 1 - log r, r = pi_old / mu (Schulman 2020; verl's rollout-correction `k3_kl`).
                           0 where unscored. Sum / sum(mismatch_tokens)
       sampling_logp_diff  |old_logprobs - sampling_logprobs|, 0 where unscored. Sum / sum(mismatch_tokens) is TRL's
                           sampling/sampling_logp_difference/mean, its max over the step .../max
-      is_ratio            the weight applied (as importance_weights). Sum / number of tokens is the token mean;
+      is_ratio            the weight applied (as importance_weights), 1 where unscored. Sum / sum(is_tokens) is the
+                          token mean;
                           its min and max are TRL's sampling/importance_sampling_ratio/min and /max. TRL's /mean
                           is this token mean in token_* modes, but a mean over sequences in sequence_* modes
-      is_clipped          1.0 where the bounds changed the weight (truncated or masked). Sum / number of tokens:
+      is_clipped          1.0 where the bounds changed the weight (truncated or masked). Sum / sum(is_tokens):
                           the fraction of tokens corrected (in sequence_* modes, the tokens of such sequences)
 
     Compute it once per rollout batch, not once per PPO epoch, to count every token once (TRL logs it at
@@ -104,6 +108,7 @@ def mismatch_metrics(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor
         scored = ~torch.isnan(sampling)
         sampling = torch.where(scored, sampling, old)  # an unscored token reads as agreement: 0 below
         return {
+            "is_tokens": torch.ones_like(weights),
             "mismatch_tokens": scored.to(weights.dtype),
             "mismatch_kl": kl_estimate(sampling, old, "k3"),
             "sampling_logp_diff": (old - sampling).abs(),
@@ -114,10 +119,11 @@ def mismatch_metrics(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor
 
 def step_metrics(sums: dict[str, float]) -> dict[str, float]:
     """A step's off-policy metrics from the summed mismatch_metrics (a reduced Tally); {} when none were added."""
-    n = sums.get("mismatch_tokens", 0.0)
-    if not n:
+    if not sums.get("is_tokens"):
         return {}
-    return {"rollout/mismatch_kl": sums["mismatch_kl"] / n, "rollout/logp_diff_mean": sums["sampling_logp_diff"] / n,
+    n, scored = sums["is_tokens"], max(sums["mismatch_tokens"], 1.0)  # every token; those the engine scored
+    return {"rollout/mismatch_kl": sums["mismatch_kl"] / scored,
+            "rollout/logp_diff_mean": sums["sampling_logp_diff"] / scored,
             "rollout/is_ratio_mean": sums["is_ratio"] / n, "rollout/is_clipped_frac": sums["is_clipped"] / n}
 
 
