@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from verl_kit.algos import dpo_loss, implicit_rewards
+from verl_kit.algos import dpo_loss, global_mean_share, implicit_rewards
 from verl_kit.config import OfflineConfig, parse_args
 from verl_kit.data import forward_logits, load_splits, preference_examples, sequence_logprobs
 from verl_kit.errors import main_guard
@@ -99,8 +99,8 @@ def main():
         rewards = implicit_rewards(pol, ref, cfg.beta)
         acc = (rewards[:, 0] > rewards[:, 1]).float().mean().item()
         loss = dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], cfg.beta, cfg.loss_type, cfg.label_smoothing)
-        log.log(step, {"eval/loss": loss.mean().item(), "eval/preference_accuracy": acc,
-                       "eval/reward_margin": (rewards[:, 0] - rewards[:, 1]).mean().item()})
+        log.log(step, {"eval/loss": loss.mean().item(), "eval/rewards/accuracy": acc,
+                       "eval/rewards/margin": (rewards[:, 0] - rewards[:, 1]).mean().item()})
 
     start = resume(accelerator, cfg)
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
@@ -127,7 +127,7 @@ def main():
             losses = dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], cfg.beta, cfg.loss_type, cfg.label_smoothing)
             # Mean over the pairs of the global step. DDP and DeepSpeed average gradients over ranks, so the rank's
             # sum is scaled by world / per_step; the result does not depend on how pairs are split.
-            policy.backward(losses.sum() * world / per_step)
+            policy.backward(global_mean_share(losses, per_step, world))
             r = implicit_rewards(pol, ref, cfg.beta).detach()
             tally.add(loss=losses.detach(), correct=r[:, 0] > r[:, 1], margin=r[:, 0] - r[:, 1], chosen=r[:, 0],
                       rejected=r[:, 1], tokens=batch.num_tokens)
@@ -139,14 +139,14 @@ def main():
             log.log(step + 1, {"loss": t["loss"] / per_step, "rewards/accuracy": t["correct"] / per_step,
                                "rewards/margin": t["margin"] / per_step, "rewards/chosen": t["chosen"] / per_step,
                                "rewards/rejected": t["rejected"] / per_step, "grad_norm": grad_norm,
-                               "learning_rate": policy.learning_rate, "tokens_per_s": t["tokens"] / dt,
-                               "step_time_s": dt, "tokens": t["tokens"]})
+                               "learning_rate": policy.learning_rate, "perf/tokens_per_s": t["tokens"] / dt,
+                               "timing_s/step": dt, "tokens": t["tokens"]})
         if test and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps):
             evaluate(step + 1)
         save_if_due(accelerator, cfg, step + 1)
 
     export_hf(accelerator, policy.model, tokenizer, os.path.join(cfg.output_dir, "final"))
-    log.close(["loss", "rewards/accuracy", "rewards/margin", "eval/preference_accuracy", "tokens_per_s"])
+    log.close(["loss", "rewards/accuracy", "rewards/margin", "eval/rewards/accuracy", "perf/tokens_per_s"])
     destroy()
 
 

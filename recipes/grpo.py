@@ -23,6 +23,7 @@ import torch
 
 from verl_kit.algos import (
     entropy_from_logits,
+    global_mean_share,
     group_advantages,
     kl_estimate,
     loss_weights,
@@ -160,10 +161,10 @@ def main():
                                         ix.row.to(device), B, tally if it == 0 else None)
                         kl = (kl_estimate(logprobs, ref_logprobs[ix.row, ix.pos].to(device), "k3") if ref is not None
                               else torch.zeros_like(logprobs))
-                        # this micro-batch's share of the minibatch loss on all ranks (ppo_losses.loss_weights)
+                        # this micro-batch's share of the minibatch loss on all ranks (algos.reduction.loss_weights)
                         w = loss_weights(cfg.loss_type, lengths[ix.row], n["tokens"], n["seqs"],
                                          cfg.max_completion_length)
-                        actor.backward(((loss + cfg.beta * kl) * w.to(device)).sum() * world)
+                        actor.backward(global_mean_share((loss + cfg.beta * kl) * w.to(device), 1.0, world))
                         with torch.no_grad():
                             tally.add(tokens=len(loss), pg_loss=loss, pg_clipfrac=policy_clipped(
                                 logprobs, old, adv, cfg.cliprange), approx_kl=0.5 * (logprobs - old) ** 2,
@@ -182,7 +183,7 @@ def main():
                    "reward/frac_zero_std": t["flat_groups"] / t["groups"],
                    "kl": t["kl"] / t["tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
-                   "actor/grad_norm": sum(grad_norms) / len(grad_norms), "learning_rate": actor.learning_rate,
+                   "grad_norm": sum(grad_norms) / len(grad_norms), "learning_rate": actor.learning_rate,
                    "rollout/staleness": staleness, **step_metrics(t),
                    **timer.seconds, **sync_metrics}
         log.advance(reward=metrics["reward/mean"])

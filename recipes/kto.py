@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from verl_kit.algos import kl_reference_point, kto_loss
+from verl_kit.algos import global_mean_share, kl_reference_point, kto_loss
 from verl_kit.config import OfflineConfig, parse_args
 from verl_kit.data import forward_logits, load_splits, mismatched_partners, sequence_logprobs, unpaired_examples
 from verl_kit.errors import UserError, main_guard
@@ -120,7 +120,7 @@ def main():
         acc = ((logratio[:, 0] > z0) == y).float().mean().item()
         losses = kto_loss(logratio[:, 0], torch.zeros(len(test)), y, z0, cfg.beta, cfg.desirable_weight,
                           cfg.undesirable_weight)
-        log.log(step, {"eval/loss": losses.mean().item(), "eval/accuracy": acc, "eval/kl": z0.item(),
+        log.log(step, {"eval/loss": losses.mean().item(), "eval/rewards/accuracy": acc, "eval/kl": z0.item(),
                        "eval/rewards/desirable": cfg.beta * logratio[y, 0].mean().item(),
                        "eval/rewards/undesirable": cfg.beta * logratio[~y, 0].mean().item()})
 
@@ -160,7 +160,7 @@ def main():
             # Mean over the examples of the global step, never over a micro-batch or a class: DDP and DeepSpeed
             # average gradients over ranks, so the rank's sum is scaled by world / per_step. A micro-batch or a
             # rank holding one class only (or one example) then weighs exactly its share, and nothing is 0/0.
-            policy.backward(losses.sum() * world / per_step)
+            policy.backward(global_mean_share(losses, per_step, world))
             r = (logps - ref).detach()
             tally.add(loss=losses.detach(), n_des=y, n_und=~y, logratio_des=r[y], logratio_und=r[~y],
                       correct=(r > z0) == y, tokens=batch.num_tokens)
@@ -178,13 +178,13 @@ def main():
             log.log(step + 1, {"loss": t["loss"] / per_step, "kl": z0.item(),
                                "rewards/accuracy": t["correct"] / per_step, **by_class, "grad_norm": grad_norm,
                                "learning_rate": policy.learning_rate,
-                               "tokens_per_s": tokens / dt, "step_time_s": dt, "tokens": tokens})
+                               "perf/tokens_per_s": tokens / dt, "timing_s/step": dt, "tokens": tokens})
         if test and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps):
             evaluate(step + 1)
         save_if_due(accelerator, cfg, step + 1)
 
     export_hf(accelerator, policy.model, tokenizer, os.path.join(cfg.output_dir, "final"))
-    log.close(["loss", "kl", "rewards/desirable", "rewards/undesirable", "eval/accuracy", "tokens_per_s"])
+    log.close(["loss", "kl", "rewards/desirable", "rewards/undesirable", "eval/rewards/accuracy", "perf/tokens_per_s"])
     destroy()
 
 

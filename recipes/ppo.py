@@ -30,6 +30,7 @@ from verl_kit.algos import (
     FixedKLController,
     entropy_from_logits,
     gae,
+    global_mean_share,
     kl_estimate,
     masked_moments,
     masked_variance,
@@ -37,7 +38,6 @@ from verl_kit.algos import (
     policy_loss,
     reweight,
     step_metrics,
-    token_mean_share,
     token_rewards,
     value_clipped,
     value_loss,
@@ -188,8 +188,8 @@ def main():
                         pg = reweight(cfg, pg, old, ro.sampling_logprobs[ix.row, ix.pos].to(device),
                                       ix.row.to(device), B, tally if epoch == 0 else None)
                         entropy = entropy_from_logits(logits)
-                        # token mean over the minibatch on all ranks (see ppo_losses.token_mean_share)
-                        actor.backward(token_mean_share(pg - cfg.ent_coef * entropy, n_tok, world))
+                        # token mean over the minibatch on all ranks (algos.reduction.global_mean_share)
+                        actor.backward(global_mean_share(pg - cfg.ent_coef * entropy, n_tok, world))
                         with torch.no_grad():  # approx_kl = mean 0.5 (log ratio)^2 (Schulman's k2)
                             tally.add(tokens=len(pg), pg_loss=pg, pg_clipfrac=policy_clipped(logprobs, old, adv,
                                       cfg.cliprange), approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy)
@@ -200,7 +200,7 @@ def main():
                         values = critic_values(critic.model, batch.to(device), ix)
                         old_v, ret = old_values[ix.row, ix.pos].to(device), returns[ix.row, ix.pos].to(device)
                         vf = value_loss(values, old_v, ret, cfg.cliprange_value)
-                        critic.backward(token_mean_share(vf, n_tok, world))
+                        critic.backward(global_mean_share(vf, n_tok, world))
                         tally.add(vf_loss=vf.detach(), vf_clipfrac=value_clipped(values.detach(), old_v, ret,
                                                                                  cfg.cliprange_value))
                     grad_norms["critic"].append(critic.step(schedule=last_update))
@@ -218,7 +218,7 @@ def main():
         timer.seconds["timing_s/step"] = time.time() - t_step
         metrics = {"kl": kl_mean, "kl_coef": kl_coef,
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
-                   "actor/grad_norm": sum(grad_norms["actor"]) / len(grad_norms["actor"]),
+                   "grad_norm": sum(grad_norms["actor"]) / len(grad_norms["actor"]),
                    "critic/vf_loss": t["vf_loss"] / t["tokens"], "critic/vf_clipfrac": t["vf_clipfrac"] / t["tokens"],
                    "critic/explained_var": 1.0 - masked_variance(t, "resid_") / max(masked_variance(t, "ret_"), 1e-8),
                    "critic/grad_norm": sum(grad_norms["critic"]) / len(grad_norms["critic"]),

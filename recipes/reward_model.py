@@ -19,7 +19,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from verl_kit.algos import bradley_terry_loss
+from verl_kit.algos import bradley_terry_loss, global_mean_share
 from verl_kit.config import OfflineConfig, parse_args
 from verl_kit.data import load_splits, preference_examples
 from verl_kit.errors import main_guard
@@ -79,8 +79,8 @@ def main():
     def evaluate(step):
         r = score_rewards(accelerator, rm.model, items(test), cfg, pad, block_mask, "eval")
         loss = bradley_terry_loss(r[:, 0], r[:, 1], margin_test, center)
-        log.log(step, {"eval/loss": loss.mean().item(), "eval/accuracy": (r[:, 0] > r[:, 1]).float().mean().item(),
-                       "eval/margin": (r[:, 0] - r[:, 1]).mean().item(), "eval/rewards_mean": r.mean().item()})
+        log.log(step, {"eval/loss": loss.mean().item(), "eval/rewards/accuracy": (r[:, 0] > r[:, 1]).float().mean().item(),
+                       "eval/rewards/margin": (r[:, 0] - r[:, 1]).mean().item(), "eval/rewards/mean": r.mean().item()})
 
     start = resume(accelerator, cfg)
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
@@ -106,7 +106,7 @@ def main():
             m = margin_train[chunk].to(device) if margin_train is not None else None
             losses = bradley_terry_loss(r[:, 0], r[:, 1], m, center)
             # Mean over the pairs of the global step: the rank's sum times world / per_step, as in recipes/dpo.py.
-            rm.backward(losses.sum() * world / per_step)
+            rm.backward(global_mean_share(losses, per_step, world))
             r = r.detach()
             tally.add(loss=losses.detach(), correct=r[:, 0] > r[:, 1], margin=r[:, 0] - r[:, 1], chosen=r[:, 0],
                       rejected=r[:, 1], tokens=batch.num_tokens)
@@ -115,17 +115,17 @@ def main():
         dt = time.time() - t0
         log.advance(loss=t["loss"] / per_step)
         if (step + 1) % cfg.logging_steps == 0 or step == start:
-            log.log(step + 1, {"loss": t["loss"] / per_step, "accuracy": t["correct"] / per_step,
-                               "margin": t["margin"] / per_step, "rewards/chosen": t["chosen"] / per_step,
+            log.log(step + 1, {"loss": t["loss"] / per_step, "rewards/accuracy": t["correct"] / per_step,
+                               "rewards/margin": t["margin"] / per_step, "rewards/chosen": t["chosen"] / per_step,
                                "rewards/rejected": t["rejected"] / per_step, "grad_norm": grad_norm,
-                               "learning_rate": rm.learning_rate, "tokens_per_s": t["tokens"] / dt,
-                               "step_time_s": dt, "tokens": t["tokens"]})
+                               "learning_rate": rm.learning_rate, "perf/tokens_per_s": t["tokens"] / dt,
+                               "timing_s/step": dt, "tokens": t["tokens"]})
         if test and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps):
             evaluate(step + 1)
         save_if_due(accelerator, cfg, step + 1)
 
     export_hf(accelerator, rm.model, tokenizer, os.path.join(cfg.output_dir, "final"))
-    log.close(["loss", "accuracy", "eval/accuracy", "tokens_per_s"])
+    log.close(["loss", "rewards/accuracy", "eval/rewards/accuracy", "perf/tokens_per_s"])
     destroy()
 
 

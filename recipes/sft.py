@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from verl_kit.algos import token_mean_share
+from verl_kit.algos import global_mean_share
 from verl_kit.config import OfflineConfig, parse_args
 from verl_kit.data import TINY_SFT, forward_logits, load_splits, sft_examples, token_logprobs
 from verl_kit.errors import main_guard
@@ -99,13 +99,13 @@ def main():
         idx = step_indices(len(train), step, per_step, cfg.seed, rank, world)
         chunks = micro_batches(cfg, idx, [len(train[i].input_ids) for i in idx])
         # Token mean over the learned tokens of the whole step: each micro-batch adds sum(nll) * world / n_tokens,
-        # which DDP/DeepSpeed's average over processes turns into sum over all tokens / n_tokens (token_mean_share).
+        # which DDP/DeepSpeed's average over processes turns into sum over all tokens / n_tokens (global_mean_share).
         n_tokens = reduce_metrics({"n": learned([train[i] for i in idx])})["n"]
         tally = Tally()
         for chunk in policy.accumulate(chunks):
             batch = make_batch(items([train[i] for i in chunk]), cfg, pad, block_mask).to(device)
             logps, _ = token_logprobs(forward_logits(policy.model, batch), batch)
-            policy.backward(token_mean_share(-logps, n_tokens, world))
+            policy.backward(global_mean_share(-logps, n_tokens, world))
             tally.add(nll=-logps.detach(), tokens=batch.num_tokens)
         grad_norm = policy.step()
         t = tally.reduce()
@@ -114,13 +114,13 @@ def main():
         if (step + 1) % cfg.logging_steps == 0 or step == start:
             log.log(step + 1, {"loss": t["nll"] / n_tokens, "grad_norm": grad_norm,
                                "learning_rate": policy.learning_rate, "learned_tokens": n_tokens, "tokens": t["tokens"],
-                               "tokens_per_s": t["tokens"] / dt, "step_time_s": dt})
+                               "perf/tokens_per_s": t["tokens"] / dt, "timing_s/step": dt})
         if test and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps):
             evaluate(step + 1)
         save_if_due(accelerator, cfg, step + 1)
 
     export_hf(accelerator, policy.model, tokenizer, os.path.join(cfg.output_dir, "final"))
-    log.close(["loss", "eval/loss", "tokens_per_s"])
+    log.close(["loss", "eval/loss", "perf/tokens_per_s"])
     destroy()
 
 

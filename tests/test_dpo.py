@@ -20,13 +20,13 @@ def trained(tmp_path_factory, tiny_model_path):
 def test_dpo_learns_held_out_preferences(trained):
     out, p = trained
     rows = metrics(out)
-    evals = [r for r in rows if "eval/preference_accuracy" in r]
+    evals = [r for r in rows if "eval/rewards/accuracy" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 250
-    assert evals[-1]["eval/preference_accuracy"] >= 0.9, evals
-    assert evals[-1]["eval/reward_margin"] > evals[0]["eval/reward_margin"] + 1.0
+    assert evals[-1]["eval/rewards/accuracy"] >= 0.9, evals
+    assert evals[-1]["eval/rewards/margin"] > evals[0]["eval/rewards/margin"] + 1.0
     train = [r for r in rows if "loss" in r]
     assert train[-1]["loss"] < 0.5 * train[0]["loss"]
-    assert all(r["tokens_per_s"] > 0 for r in train)
+    assert all(r["perf/tokens_per_s"] > 0 for r in train)
     assert (out / "curves.png").stat().st_size > 1000
     assert "step 250: loss=" in p.stderr  # the INFO line
 

@@ -61,7 +61,7 @@ def test_grpo_learns_embedded_task(tmp_path):
     assert rows[-1]["eval/reward_mean"] > held_out_start["eval/reward_mean"] + 0.1, rows[-1]
     for key in ["timing_s/gen", "timing_s/ref", "timing_s/update_actor", "timing_s/step", "perf/tokens_per_s",
                 "response_length/mean", "response_length/max", "response_length/clip_ratio", "actor/pg_loss",
-                "actor/pg_clipfrac", "actor/approx_kl", "actor/entropy", "actor/grad_norm", "reward/mean",
+                "actor/pg_clipfrac", "actor/approx_kl", "actor/entropy", "grad_norm", "reward/mean",
                 "reward/std", "reward/frac_zero_std", "kl"]:
         assert key in rows[-1], key
     assert all(r["actor/approx_kl"] < 1e-9 for r in rows)  # one update per rollout: old log-probs = the forward's

@@ -223,16 +223,16 @@ def test_kto_learns_on_embedded_data(tmp_path, tiny_model_path):
                                   "--per_device_train_batch_size", "8", "--eval_steps", "1000",
                                   "--logging_steps", "5"]), timeout=300)
     rows = metrics(out)
-    evals = [r for r in rows if "eval/accuracy" in r]
+    evals = [r for r in rows if "eval/rewards/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 80]
-    assert evals[-1]["eval/accuracy"] >= 0.85, evals
+    assert evals[-1]["eval/rewards/accuracy"] >= 0.85, evals
     assert evals[-1]["eval/rewards/desirable"] > 0 > evals[-1]["eval/rewards/undesirable"], evals
     train = [r for r in rows if "loss" in r]
     assert all(math.isfinite(r["loss"]) and r["kl"] >= 0 for r in train)
     late = train[-4:]
     assert sum(r["logratio/desirable"] for r in late) / 4 > train[0]["logratio/desirable"] + 1.0
     assert sum(r["logratio/undesirable"] for r in late) / 4 < train[0]["logratio/undesirable"] - 1.0
-    assert all(k in train[-1] for k in ("kl", "rewards/desirable", "rewards/undesirable", "tokens_per_s"))
+    assert all(k in train[-1] for k in ("kl", "rewards/desirable", "rewards/undesirable", "perf/tokens_per_s"))
     assert "outside [1, 4/3]" not in p.stderr  # the unpaired embedded data is balanced
     before, after = load_weights(tiny_model_path), load_weights(out / "final")
     assert not [k for k in before if torch.equal(before[k], after[k])]

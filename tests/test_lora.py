@@ -183,7 +183,7 @@ def test_dpo_lora_zero3_matches_one_process_and_learns(tmp_path):
                                                "--per_device_train_batch_size", "4", *args]), timeout=600)
     one, z3 = ([r["loss"] for r in metrics(tmp_path / k) if "loss" in r] for k in ("one", "z3"))
     assert len(one) == len(z3) == 12 and max(abs(a - b) for a, b in zip(one, z3)) < 1e-4, (one, z3)
-    acc = [r["eval/preference_accuracy"] for r in metrics(tmp_path / "one") if "eval/preference_accuracy" in r]
+    acc = [r["eval/rewards/accuracy"] for r in metrics(tmp_path / "one") if "eval/rewards/accuracy" in r]
     print("dpo lora held-out accuracy", acc)
     assert acc[0] < 0.7 and acc[-1] >= 0.9, acc
 

@@ -95,7 +95,7 @@ def test_ppo_learns_embedded_task(tmp_path):
     for key in ["timing_s/gen", "timing_s/ref", "timing_s/values", "timing_s/adv", "timing_s/update_actor",
                 "timing_s/update_critic", "timing_s/step", "perf/tokens_per_s", "response_length/mean",
                 "response_length/max", "response_length/clip_ratio", "actor/pg_loss", "actor/pg_clipfrac",
-                "actor/approx_kl", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/vf_clipfrac",
+                "actor/approx_kl", "actor/entropy", "grad_norm", "critic/vf_loss", "critic/vf_clipfrac",
                 "critic/explained_var", "reward/mean", "reward/std", "kl", "kl_coef"]:
         assert key in rows[-1], key
     assert (out / "final" / "model.safetensors").is_file()

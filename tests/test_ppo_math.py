@@ -11,11 +11,11 @@ from verl_kit.algos import (
     FixedKLController,
     entropy_from_logits,
     gae,
+    global_mean_share,
     kl_estimate,
     masked_moments,
     policy_clipped,
     policy_loss,
-    token_mean_share,
     token_rewards,
     truncation_penalty,
     value_clipped,
@@ -165,7 +165,7 @@ def test_entropy_and_logprobs():
 
 def test_token_mean_invariant_to_rank_and_microbatch_split():
     """10 tokens with per-token loss w * x_i. The gradient of the token mean is mean(x). Two ranks, each
-    accumulating its micro-batches' token_mean_share, then averaged over ranks (what DDP/DeepSpeed do), give the same
+    accumulating its micro-batches' global_mean_share, then averaged over ranks (what DDP/DeepSpeed do), give the same
     gradient for any split, including unequal token counts per rank."""
     x = torch.arange(1.0, 11.0, dtype=torch.float64)  # mean 5.5
     for splits in ([[0, 1, 2], [3, 4]], [[5, 6, 7, 8], [9]]), ([[0], [1, 2, 3, 4, 5, 6, 7]], [[8, 9]]):
@@ -173,7 +173,7 @@ def test_token_mean_invariant_to_rank_and_microbatch_split():
         for rank_chunks in splits:
             w = torch.zeros((), dtype=torch.float64, requires_grad=True)
             for chunk in rank_chunks:
-                token_mean_share(w * x[chunk], global_tokens=10, world_size=2).backward()
+                global_mean_share(w * x[chunk], 10, 2).backward()
             rank_grads.append(w.grad.item())
         assert sum(rank_grads) / 2 == pytest.approx(5.5)
 

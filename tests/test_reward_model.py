@@ -118,10 +118,10 @@ def trained(tmp_path_factory):
 
 @pytest.mark.slow
 def test_reward_model_separates_held_out_pairs(trained, tiny_model_path):
-    evals = [r for r in metrics(trained) if "eval/accuracy" in r]
+    evals = [r for r in metrics(trained) if "eval/rewards/accuracy" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 100
     assert evals[0]["eval/loss"] == pytest.approx(math.log(2), abs=0.05)  # a fresh score head: no preference yet
-    assert evals[-1]["eval/accuracy"] >= 0.9, evals
+    assert evals[-1]["eval/rewards/accuracy"] >= 0.9, evals
     assert evals[-1]["eval/loss"] < 0.1
     before, after = load_weights(tiny_model_path), load_weights(trained / "final")
     assert after["score.weight"].shape == (1, 128) and "lm_head.weight" not in after
@@ -153,7 +153,7 @@ def test_zero3_two_processes_match_single_process(tmp_path):
     head = metrics(z3)[0]
     assert head["world_size"] == 2 and head["params/local"] <= 0.55 * head["params/total"]
     by_step = lambda out, key: {r["step"]: r[key] for r in metrics(out) if key in r}
-    for key, tol in (("loss", 1e-4), ("grad_norm", 1e-4), ("accuracy", 0)):
+    for key, tol in (("loss", 1e-4), ("grad_norm", 1e-4), ("rewards/accuracy", 0)):
         a, b = by_step(z3, key), by_step(single, key)
         assert abs(a[1] - b[1]) <= tol * max(1.0, b[1]), (key, a, b)
     a, b = by_step(z3, "loss"), by_step(single, "loss")

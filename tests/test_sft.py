@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import REPO, launch_cmd, load_weights, metrics, recipe_cmd, run, run_until
 
-from verl_kit.algos import token_mean_share
+from verl_kit.algos import global_mean_share
 from verl_kit.data import TINY_SFT, forward_logits, layout, load_split, sft_examples, token_logprobs, truncate
 from verl_kit.errors import UserError
 from verl_kit.models import load_causal_lm
@@ -122,14 +122,14 @@ def task(tokenizer):
 
 
 def sft_loss_and_grads(model, exs, chunks, packing, n_tokens):
-    """The recipe's reduction on one process: sum over micro-batches of token_mean_share(nll, n_tokens, 1)."""
+    """The recipe's reduction on one process: sum over micro-batches of global_mean_share(nll, n_tokens, 1)."""
     model.zero_grad()
     total = 0.0
     for chunk in chunks:
         batch = layout([exs[i].input_ids for i in chunk], [exs[i].loss_mask for i in chunk], pad_id=0,
                        packing=packing, packing_length=64)
         logps, _ = token_logprobs(forward_logits(model, batch), batch)
-        loss = token_mean_share(-logps, n_tokens, 1)
+        loss = global_mean_share(-logps, n_tokens, 1)
         loss.backward()
         total += loss.item()
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}

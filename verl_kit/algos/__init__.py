@@ -14,15 +14,7 @@ from verl_kit.algos.advantages import (
     whiten,
 )
 from verl_kit.algos.off_policy import MODES, check_args, importance_weights, mismatch_metrics, reweight, step_metrics
-from verl_kit.algos.policy import (
-    entropy_from_logits,
-    loss_weights,
-    policy_clipped,
-    policy_loss,
-    token_mean_share,
-    value_clipped,
-    value_loss,
-)
+from verl_kit.algos.policy import entropy_from_logits, policy_clipped, policy_loss, value_clipped, value_loss
 from verl_kit.algos.preference import (
     bradley_terry_loss,
     dpo_logits,
@@ -31,3 +23,4 @@ from verl_kit.algos.preference import (
     kl_reference_point,
     kto_loss,
 )
+from verl_kit.algos.reduction import global_mean_share, loss_weights

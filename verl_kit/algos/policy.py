@@ -1,8 +1,6 @@
 """PPO losses as pure tensor functions on the scored response tokens of a micro-batch, flattened to (M,).
 
-Every loss is returned per token; the reduction is the caller's and is explicit: `token_mean_share` turns a per-token
-loss into this micro-batch's share of the mean over all the tokens of a minibatch on all ranks, so the gradient does
-not depend on how the minibatch was split across ranks and micro-batches.
+Every loss is returned per token; the reduction is the caller's and is explicit (algos.reduction).
 """
 
 from __future__ import annotations
@@ -42,28 +40,3 @@ def value_clipped(values: torch.Tensor, old_values: torch.Tensor, returns: torch
     """1.0 where the clipped branch of value_loss is strictly larger, else 0.0. (M,)"""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     return ((clipped - returns) ** 2 > (values - returns) ** 2).float()
-
-
-def token_mean_share(per_token: torch.Tensor, global_tokens: float, world_size: int) -> torch.Tensor:
-    """This micro-batch's part of the token mean over the whole minibatch: sum(per_token) * world / N_global.
-    Summed over micro-batches it is the rank's share; DDP and DeepSpeed then *average* gradients over ranks, which
-    the factor `world` undoes, so the applied gradient is that of sum over all tokens / N_global. A scalar."""
-    return per_token.sum() * world_size / global_tokens
-
-
-def loss_weights(loss_type: str, row_lengths: torch.Tensor, global_tokens: float, global_seqs: float,
-                 max_len: int) -> torch.Tensor:
-    """Per-token weights (M,) that reduce a per-token loss over a minibatch on all ranks (then summed, times
-    world_size, as in token_mean_share). `row_lengths` (M,): the length of each token's response.
-      dapo      1 / N_tokens                    every token counts the same (DAPO; verl's token-mean)
-      grpo      1 / (len_i * N_seqs)            each response's token mean, then the mean over responses (GRPO paper)
-      dr_grpo   1 / (N_seqs * max_len)          a constant normaliser, no length bias (Liu et al. 2025)
-    The names are TRL's (GRPOConfig.loss_type). Over a minibatch the weights sum to 1 for dapo and grpo, and to
-    N_tokens / (N_seqs * max_len) for dr_grpo."""
-    if loss_type == "dapo":
-        return torch.full_like(row_lengths, 1.0 / global_tokens, dtype=torch.float32)
-    if loss_type == "grpo":
-        return 1.0 / (row_lengths.float() * global_seqs)
-    if loss_type == "dr_grpo":
-        return torch.full_like(row_lengths, 1.0 / (global_seqs * max_len), dtype=torch.float32)
-    raise ValueError(f"loss_type {loss_type!r}: choose dapo, grpo or dr_grpo")

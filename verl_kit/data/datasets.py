@@ -120,10 +120,11 @@ def _tokenize(texts: list[str], tokenizer) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
-def _truncate(prompt: list[int], completions: list[list[int]], max_prompt_length: int | None, max_length: int,
-              source: str, row_no: int) -> tuple[list[int], list[list[int]], bool]:
-    """Keep the last max_prompt_length prompt tokens, then cut completions to fit max_length. A prompt that leaves
-    no room for a completion is an error, never a silently empty response."""
+def truncate(prompt: list, completions: list[list], max_prompt_length: int | None, max_length: int,
+             source: str = "", row_no: int = 0) -> tuple[list, list[list], bool]:
+    """The kit's one truncation rule (preference and unpaired data, SFT, online prompts): keep the last
+    max_prompt_length prompt tokens, then cut each completion to fit max_length. A prompt that leaves no room for a
+    completion is an error naming the row, never a silently empty response. Returns (prompt, completions, cut)."""
     cut = False
     if max_prompt_length is not None and len(prompt) > max_prompt_length:
         prompt, cut = prompt[-max_prompt_length:], True
@@ -164,7 +165,7 @@ def preference_examples(ds, tokenizer, max_prompt_length: int | None, max_length
         if not c or not r:
             raise UserError(f"{source} row {row_no}: field {'chosen' if not c else 'rejected'!r} is empty after "
                             "tokenization")
-        p, (c, r), cut = _truncate(p, [c, r], max_prompt_length, max_length, source, row_no)
+        p, (c, r), cut = truncate(p, [c, r], max_prompt_length, max_length, source, row_no)
         n_cut += cut
         out.append(PreferenceExample(p, c, r))
     if n_cut:
@@ -214,7 +215,7 @@ def unpaired_examples(ds, tokenizer, max_prompt_length: int | None, max_length: 
         for key, c in zip(keys, cs):
             if not c:
                 raise UserError(f"{source} row {row_no}: field {key!r} is empty after tokenization")
-        p, cs, cut = _truncate(p, list(cs), max_prompt_length, max_length, source, row_no)
+        p, cs, cut = truncate(p, list(cs), max_prompt_length, max_length, source, row_no)
         n_cut += cut
         out.extend(UnpairedExample(p, c, label) for c, label in zip(cs, ls))
     if n_cut:

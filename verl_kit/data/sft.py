@@ -15,7 +15,7 @@ rendered turn by turn, and each assistant turn is the text its message adds afte
 template that renders a conversation as the concatenation of its turns works (a one-line error names the row where
 one does not). Every piece is tokenized on its own, as prompt and completion are for DPO and as a generated reply is.
 
-Truncation, the kit's one rule (data._truncate): the tokens before the first learned token (the prompt) keep their
+Truncation, the kit's one rule (data.datasets.truncate): the tokens before the first learned token (the prompt) keep their
 last `max_prompt_length`, then the sequence is cut at `max_length`. Regenerate the embedded SFT task (the tone task's
 prompts with the kind replies, as `messages`) with `python -m verl_kit.data.sft`.
 """
@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass
 
 from verl_kit.data.datasets import _check_field, _template_rows, _tokenize
+from verl_kit.data.datasets import truncate as truncate_rule
 from verl_kit.errors import UserError
 from verl_kit.models.tiny import ASSETS, make_preference_rows
 
@@ -152,12 +153,10 @@ def truncate(ids: list[int], mask: list[bool], max_prompt_length: int, max_lengt
     """The prompt (tokens before the first learned one) keeps its last max_prompt_length tokens, then the sequence
     keeps its first max_length. The first token is never learned (nothing predicts it). Returns (ids, mask, cut)."""
     first = next((t for t, m in enumerate(mask) if m and t > 0), len(ids))
-    cut = False
-    if first > max_prompt_length:
-        ids, mask, cut = ids[first - max_prompt_length:], mask[first - max_prompt_length:], True
-    if len(ids) > max_length:
-        ids, mask, cut = ids[:max_length], mask[:max_length], True
-    return ids, [False] + mask[1:], cut
+    positions = list(range(len(ids)))  # the rule cuts positions; ids and mask follow
+    prompt, (completion,), cut = truncate_rule(positions[:first], [positions[first:]], max_prompt_length, max_length)
+    keep = prompt + completion
+    return [ids[i] for i in keep], [False] + [mask[i] for i in keep][1:], cut
 
 
 def write_sft_data(out_dir: str = TINY_SFT, n_train: int = 2000, n_test: int = 200) -> None:

@@ -4,6 +4,7 @@ Accelerator, built first, has registered its DeepSpeed config with transformers.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -76,6 +77,20 @@ def default_attn_implementation() -> str:
     if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
+
+
+@contextlib.contextmanager
+def quiet_load():
+    """transformers' load report off for the block (errors still shown): loading an LM checkpoint into another head
+    (a backbone, a sequence classifier) lists the dropped lm_head and the new head as if something were wrong."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def load_tokenizer(path: str):

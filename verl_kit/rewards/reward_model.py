@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import AutoModelForSequenceClassification
 
 from verl_kit.data.packing import TokenBatch
 from verl_kit.errors import UserError
+from verl_kit.models.loading import default_attn_implementation, quantized, quiet_load
+from verl_kit.train.scoring import score_items
 
 
 def margins(ds, source: str) -> torch.Tensor | None:
@@ -58,7 +61,7 @@ class TokenRewardModel(nn.Module):
         return self.classifier.config
 
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        from peft import PeftModel
+        from peft import PeftModel  # optional heavy dependency: imported where used, as in models.lora
 
         # with --use_peft the classifier is a PeftModel: its HF model's layers carry the adapter, `score` is trained
         hf = self.classifier.get_base_model() if isinstance(self.classifier, PeftModel) else self.classifier
@@ -76,19 +79,10 @@ def load_reward_classifier(path: str, pad_id: int, attn_implementation: str | No
                            gradient_checkpointing: bool = False, load_in_4bit: bool = False) -> TokenRewardModel:
     """AutoModelForSequenceClassification with one label (a fresh `score` head on a causal LM checkpoint), fp32, its
     config's pad_token_id set so that HF's forward, and PPO's RewardModel, find the last real token."""
-    from transformers import AutoModelForSequenceClassification
-    from transformers.utils import logging as hf_logging
-
-    from verl_kit.models.loading import default_attn_implementation, quantized
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the load report lists the dropped lm_head and the new score head
-    try:
+    with quiet_load():  # the load report lists the dropped lm_head and the new score head
         model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=torch.float32,
             attn_implementation=attn_implementation or default_attn_implementation(), **quantized(load_in_4bit))
-    finally:
-        hf_logging.set_verbosity(verbosity)
     model.config.pad_token_id = pad_id
     model.config.use_cache = False
     if gradient_checkpointing:
@@ -100,7 +94,5 @@ def score_rewards(accelerator, model, items: list, cfg, pad_id: int, block_mask:
                   desc: str = "rewards") -> torch.Tensor:
     """Rewards of every sequence of every item (scoring.Sequences): (n_items, k), on CPU, identical on all ranks,
     sharded in lockstep as scoring.score_items is."""
-    from verl_kit.train.scoring import score_items
-
     return score_items(accelerator, model, items, cfg, pad_id, block_mask, desc, score_batch=lambda m, b: (
         sequence_rewards(m(b.input_ids, b.attention_mask, b.position_ids), b, pad_id)))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from verl_kit.data.datasets import load_splits
+from verl_kit.data.datasets import load_splits, truncate
 from verl_kit.errors import UserError
 from verl_kit.metrics import progress
 from verl_kit.rollout.types import Rollout, SamplingParams
@@ -58,7 +58,9 @@ def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[lis
             text = prompt
         else:
             raise UserError(f"{source} row {row_no}: field 'prompt' must be a non-empty string or chat messages")
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt_length:])
+        ids, _, _ = truncate(tokenizer(text, add_special_tokens=False)["input_ids"], [], max_prompt_length,
+                             max_prompt_length + 1, source, row_no)  # the prompt part of the one rule
+        out.append(ids)
     return out
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from verl_kit.data.packing import TokenBatch, layout, logprobs_from_logits
-from verl_kit.models.loading import uses_block_mask
+from verl_kit.models.loading import quiet_load, uses_block_mask
 
 
 class CriticModel(nn.Module):
@@ -36,14 +36,8 @@ class CriticModel(nn.Module):
         from transformers import AutoModel, AutoModelForSequenceClassification
 
         if init == "policy":
-            from transformers.utils import logging as hf_logging
-
-            verbosity = hf_logging.get_verbosity()
-            hf_logging.set_verbosity_error()  # the load report would flag the dropped lm_head as "UNEXPECTED"
-            try:
+            with quiet_load():  # the load report would flag the dropped lm_head as "UNEXPECTED"
                 backbone = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
-            finally:
-                hf_logging.set_verbosity(verbosity)
             head = nn.Linear(backbone.config.hidden_size, 1, bias=True)
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
