@@ -5,7 +5,7 @@
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/reward_model.py
     make cluster-run RECIPE=recipes/reward_model.py CONFIG=recipes/configs/reward_model_tiny.yaml NODES=2
 
-The data and its loader are DPO's (prompt?, chosen, rejected; verl_kit.data.datasets.preference_examples), plus TRL's optional
+The data and its loader are DPO's (prompt?, chosen, rejected; verl_kit.data.preference_examples), plus TRL's optional
 `margin` column. The model is AutoModelForSequenceClassification with one label, its `score` head run at every
 position so that each packed sequence's reward is read at its own last token: the last token that is not the pad
 token, where HF's forward reads it (and so PPO's --reward_model_name_or_path). A tokenizer without a pad token gets
@@ -79,7 +79,8 @@ def main():
     def evaluate(step):
         r = score_rewards(accelerator, rm.model, items(test), cfg, pad, block_mask, "eval")
         loss = bradley_terry_loss(r[:, 0], r[:, 1], margin_test, center)
-        log.log(step, {"eval/loss": loss.mean().item(), "eval/rewards/accuracy": (r[:, 0] > r[:, 1]).float().mean().item(),
+        log.log(step, {"eval/loss": loss.mean().item(),
+                       "eval/rewards/accuracy": (r[:, 0] > r[:, 1]).float().mean().item(),
                        "eval/rewards/margin": (r[:, 0] - r[:, 1]).mean().item(), "eval/rewards/mean": r.mean().item()})
 
     start = resume(accelerator, cfg)

@@ -6,7 +6,7 @@
     make cluster-run RECIPE=recipes/sft.py CONFIG=recipes/configs/sft_tiny.yaml NODES=2
 
 Data in TRL's SFT formats as they are: `text`, `prompt` + `completion`, or `messages` rendered with the tokenizer's
-chat template (verl_kit.data.sft). By default only the completion / the assistant turns are learned. The loss is the mean
+chat template (verl_kit.data). By default only the completion / the assistant turns are learned. The loss is the mean
 negative log-likelihood over every learned token of the optimizer step, on all processes and micro-batches, so it does
 not depend on how the step is split. Packed sequences never attend to each other (verl_kit.data.packing).
 Copy this file and edit it; `verl_kit` holds only mechanism.

@@ -180,7 +180,8 @@ class OnlineConfig(TrainConfig, RolloutConfig):
                             "log-probs are of the untruncated policy); or set it false")
         if self.importance_sampling:
             try:
-                check_importance_sampling_args(self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_max,
+                check_importance_sampling_args(self.vllm_importance_sampling_mode,
+                                               self.vllm_importance_sampling_clip_max,
                            self.vllm_importance_sampling_clip_min)
             except ValueError as e:
                 raise UserError(f"--{e}") from None

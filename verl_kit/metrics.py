@@ -10,6 +10,8 @@ import math
 import os
 import time
 
+from verl_kit.errors import UserError
+
 logger = logging.getLogger("verl_kit")
 
 
@@ -76,8 +78,7 @@ class Timer:
 
 
 def check_writable(output_dir: str) -> None:
-    from verl_kit.errors import UserError
-
+    """A UserError naming --output_dir when it cannot be created or written."""
     try:
         os.makedirs(output_dir, exist_ok=True)
         probe = os.path.join(output_dir, f".write-test-{os.getpid()}")

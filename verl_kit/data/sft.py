@@ -15,7 +15,7 @@ rendered turn by turn, and each assistant turn is the text its message adds afte
 template that renders a conversation as the concatenation of its turns works (a one-line error names the row where
 one does not). Every piece is tokenized on its own, as prompt and completion are for DPO and as a generated reply is.
 
-Truncation, the kit's one rule (data.datasets.truncate): the tokens before the first learned token (the prompt) keep their
+Truncation, the kit's one rule (datasets.truncate): the tokens before the first learned token (the prompt) keep their
 last `max_prompt_length`, then the sequence is cut at `max_length`. Regenerate the embedded SFT task (the tone task's
 prompts with the kind replies, as `messages`) with `python -m verl_kit.data.sft`.
 """
@@ -160,7 +160,7 @@ def truncate(ids: list[int], mask: list[bool], max_prompt_length: int, max_lengt
 
 
 def write_sft_data(out_dir: str = TINY_SFT, n_train: int = 2000, n_test: int = 200) -> None:
-    """The embedded SFT task: the tone task's prompts (verl_kit.models.tiny, same seeds, so the same train/test split as the
+    """The embedded SFT task: the tone task's prompts (models.tiny, same seeds, so the same train/test split as the
     preference data) with their kind replies, as `messages`."""
     os.makedirs(out_dir, exist_ok=True)
     for split, n, seed in [("train", n_train, 0), ("test", n_test, 1)]:

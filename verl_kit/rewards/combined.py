@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from verl_kit.algos.advantages import truncation_penalty
+from verl_kit.config import OnlineConfig
 from verl_kit.errors import UserError
 from verl_kit.models.loading import resolve_model_path
 from verl_kit.rewards.functions import call_reward_fn, load_reward_fn, reward_columns
@@ -93,7 +94,7 @@ class RewardModel:
         return out
 
 
-def make_rewards(cfg, accelerator) -> Rewards:
+def make_rewards(cfg: OnlineConfig, accelerator) -> Rewards:
     """The run's Rewards from the OnlineConfig flags: `--reward_fn`, `--reward_model_name_or_path` (placed frozen:
     a ZeRO-3 inference engine under ZeRO-3), `--reward_weights`, `--missing_eos_penalty`."""
     reward_model = None

@@ -43,7 +43,7 @@ from verl_kit.models.tiny import BAD, GOOD
 
 
 def kind_words(prompts, completions) -> list[float]:
-    """The share of a response's words that are kind adjectives (verl_kit.models.tiny.GOOD). A two-word reply of one kind
+    """The share of a response's words that are kind adjectives (models.tiny.GOOD). A two-word reply of one kind
     word scores 0.5: policies learn to shorten their replies (the benchmarks' reward; the demo uses kind_reply)."""
     out = []
     for text in completions:
@@ -53,7 +53,7 @@ def kind_words(prompts, completions) -> list[float]:
 
 
 def kind_reply(prompts, completions) -> list[float]:
-    """The embedded task: a reply earns 1/4 for each *different* kind adjective it uses (verl_kit.models.tiny.GOOD, up to
+    """The embedded task: a reply earns 1/4 for each *different* kind adjective it uses (models.tiny.GOOD, up to
     four) and loses 1/4 for each dismissive one (BAD), floored at 0. Shortening a reply cannot raise it, repeating
     one word neither: only using more kind words can."""
     out = []

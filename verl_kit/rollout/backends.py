@@ -8,6 +8,7 @@ import atexit
 
 import torch
 
+from verl_kit.config import OnlineConfig
 from verl_kit.rollout.hf import HFGenerateBackend
 from verl_kit.rollout.types import RolloutBackend
 from verl_kit.rollout.vllm_client import VLLMServer
@@ -20,7 +21,7 @@ def rollout_dtype(accelerator) -> torch.dtype:
     return torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
 
 
-def start_server(cfg, accelerator, model_path: str) -> tuple[ServerProcess | None, str]:
+def start_server(cfg: OnlineConfig, accelerator, model_path: str) -> tuple[ServerProcess | None, str]:
     """The vLLM server of a `--rollout vllm-server` run: `--vllm_server_url` when given (nothing started), else process
     0 starts one on a free 127.0.0.1 port (stopped by `.stop()`, at exit, or when process 0 dies) and every process
     gets its URL. Collective. Returns (the server this process started or None, its URL)."""
@@ -40,7 +41,7 @@ def start_server(cfg, accelerator, model_path: str) -> tuple[ServerProcess | Non
     return server, box[0]
 
 
-def make_backend(cfg, accelerator, actor, model_path: str, tokenizer, probe_prompts: list[list[int]],
+def make_backend(cfg: OnlineConfig, accelerator, actor, model_path: str, tokenizer, probe_prompts: list[list[int]],
                  server_url: str | None = None) -> RolloutBackend:
     """The `--rollout` backend (OnlineConfig flags) for the unwrapped `actor`: HF generate on a plain copy, a vLLM
     engine in each process, or a client of the vLLM server at `server_url` (see start_server); only process 0 pushes

@@ -1,9 +1,9 @@
 """Rollout: prompts in; response token ids, response mask and sampling log-probs out.
 
-A backend has three methods: `load_weights(actor, version) -> dict` (the weight sync, called after every update with
-the optimizer step that produced the weights; returns weight_sync/* metrics), `generate(prompts, params) -> Rollout`
-and `close()`. `make_backend` builds the one `--rollout` names: HF generate (below), or a vLLM engine or server
-(verl_kit.rollout.vllm_engine, verl_kit.rollout.vllm_client).
+Every backend implements rollout.types.RolloutBackend: `generate(prompts, params) -> Rollout`, `load_weights(actor,
+version) -> dict` (the weight sync, called after every update with the optimizer step that produced the weights;
+returns weight_sync/* metrics), `score(seqs)` and `close()`. `rollout.backends.make_backend` builds the one `--rollout`
+names: HF generate (below), a vLLM engine (rollout.vllm_engine) or a vLLM server's client (rollout.vllm_client).
 
 The HF-generate backend keeps a plain (unsharded, hook-free) copy of the policy on each process. Under ZeRO-3, calling
 generate on the training engine would all-gather every layer's parameters again at every generated token; here they
@@ -18,6 +18,7 @@ import time
 import torch
 
 from verl_kit.models.lora import peft_model
+from verl_kit.rollout.probe import trainer_logprobs
 from verl_kit.rollout.types import Rollout, SamplingParams
 from verl_kit.rollout.weight_sync import gathered_buckets
 
@@ -66,6 +67,10 @@ class HFGenerateBackend:
 
     def close(self) -> None:
         """Nothing to release (the vLLM backends stop their engine or server here)."""
+
+    def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        """Log-probs of seqs[i][1:] given their prefixes under the rollout copy (temperature 1)."""
+        return trainer_logprobs(self.model, seqs, self.device)
 
     @torch.no_grad()
     def load_weights(self, actor, version: int = 0) -> dict:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from verl_kit.config import OnlineConfig
 from verl_kit.data.datasets import load_splits, truncate
 from verl_kit.errors import UserError
 from verl_kit.metrics import progress
@@ -23,7 +24,7 @@ class Prompts:
     ids: list[list[int]]
 
 
-def load_prompt_splits(cfg, tokenizer) -> tuple[Prompts, Prompts]:
+def load_prompt_splits(cfg: OnlineConfig, tokenizer) -> tuple[Prompts, Prompts]:
     """The train and held-out prompts of a recipe config (the held-out set is empty without a test split)."""
     train_ds, test_ds = load_splits(cfg)
     splits = []

@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 
+from verl_kit.config import OnlineConfig
 from verl_kit.rollout.backends import make_backend, start_server
 from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams
 from verl_kit.rollout.vllm_server import ServerProcess
@@ -143,13 +144,13 @@ class Rollouts:
             self.batches[int(step)] = (future, b["version"])
 
 
-def sampling_params(cfg) -> SamplingParams:
+def sampling_params(cfg: OnlineConfig) -> SamplingParams:
     """A step's sampling (OnlineConfig flags)."""
     return SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length, cfg.num_generations,
                           cfg.ignore_eos)
 
 
-def start_rollouts(cfg, accelerator, actor, model_path: str, tokenizer, prompt_ids: list[list[int]],
+def start_rollouts(cfg: OnlineConfig, accelerator, actor, model_path: str, tokenizer, prompt_ids: list[list[int]],
                    total_steps: int) -> tuple[Rollouts, int]:
     """The online recipes' setup, in the one order that works: the `--rollout` backend (and the vLLM server a run
     starts for itself), its Rollouts (synchronous, or --async_rollout ahead by --max_staleness) over `prompt_ids`,

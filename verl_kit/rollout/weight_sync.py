@@ -8,8 +8,8 @@ How a bucket travels: to a worker on this host (a colocated engine, a server on 
 straight from the parameter into its slot, a 0600 file with an unguessable name in this user's private
 /dev/shm/verl_kit-<uid> that the trainer and the worker both keep mapped from one sync to the next
 (`SharedBuckets`); only the slots' paths and fresh tokens cross the RPC, in one call per sync (the worker refuses
-any other path). To another host, or with --vllm_weight_sync_transport inline, each bucket goes base64 in the RPC body (80
-MB: ~0.1 s against ~1 s on CPU, bench/README.md). The extension (`--worker-extension-cls
+any other path). To another host, or with --vllm_weight_sync_transport inline, each bucket goes base64 in the RPC
+body (80 MB: ~0.1 s against ~1 s on CPU, bench/README.md). The extension (`--worker-extension-cls
 verl_kit.rollout.weight_sync.WorkerExtension`) stages the buckets and commits them with the worker's
 `reload_weights`, which runs the model's own `load_weights` (HF checkpoint names, q/k/v and gate/up fusion) and then
 the platform's post-load processing, layer by layer. That last step is why this route works on CPU, where vLLM

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from verl_kit.config import TrainConfig
 from verl_kit.data.packing import TokenBatch, layout, logprobs_from_logits
 from verl_kit.models.loading import quiet_load, uses_block_mask
 
@@ -111,7 +112,7 @@ class ResponsePacker:
     """Packs rollout rows for the forward passes of actor, critic and reference, the layout fitted to the policy
     (block mask unless flash-attention; pack or pad by cost, packing.layout) and the packing flags of a TrainConfig."""
 
-    def __init__(self, cfg, pad_id: int, model):
+    def __init__(self, cfg: TrainConfig, pad_id: int, model):
         self.cfg, self.pad_id = cfg, pad_id
         self.block_mask = uses_block_mask(model)
         self.hidden_size = model.config.hidden_size

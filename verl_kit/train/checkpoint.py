@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 
+from verl_kit.config import TrainConfig
 from verl_kit.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ def _frozen_left_out(accelerator, active: bool, loading: str | None = None):
         handle.remove()
 
 
-def resume(accelerator, cfg, per_rank=None) -> int:
+def resume(accelerator, cfg: TrainConfig, per_rank=None) -> int:
     """`--resume_from_checkpoint` ('auto' or a path; TrainConfig fields): restore every prepared model, optimizer,
     scheduler and RNG from it (and `per_rank`'s state: save_checkpoint). Returns the step to continue from, 0 when
     there is nothing to resume."""
@@ -157,11 +158,11 @@ def resume(accelerator, cfg, per_rank=None) -> int:
     return load_checkpoint(accelerator, path, model_flags(cfg), per_rank)["step"] if path else 0
 
 
-def save_if_due(accelerator, cfg, step: int, per_rank=None) -> None:
+def save_if_due(accelerator, cfg: TrainConfig, step: int, per_rank=None) -> None:
     """Checkpoint after optimizer step `step` every `--save_steps` (0: never), keeping `--save_total_limit`."""
     if cfg.save_steps and step % cfg.save_steps == 0:
         save_checkpoint(accelerator, cfg.output_dir, step, cfg.save_total_limit, model_flags(cfg), per_rank)
 
 
-def model_flags(cfg) -> dict:
+def model_flags(cfg: TrainConfig) -> dict:
     return {flag: getattr(cfg, flag) for flag in MODEL_FLAGS}

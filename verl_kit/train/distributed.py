@@ -10,13 +10,14 @@ import os
 
 import torch
 
+from verl_kit.config import TrainConfig
 from verl_kit.data.packing import split_by_tokens
 from verl_kit.metrics import check_writable, setup_logging
 
 logger = logging.getLogger(__name__)
 
 
-def make_accelerator(cfg):
+def make_accelerator(cfg: TrainConfig):
     """Start a run from a recipe config (TrainConfig fields): build the Accelerator, set up logging (INFO on the main
     process) and check that --output_dir is writable. Gradient accumulation is done by the recipe (token-budget
     micro-batches vary in number), so accelerate and DeepSpeed are told 1 and never rescale the loss."""
@@ -180,7 +181,7 @@ def param_counts(model) -> tuple[int, int]:
     return local, total
 
 
-def micro_batches(cfg, items: list, costs: list[int]) -> list[list]:
+def micro_batches(cfg: TrainConfig, items: list, costs: list[int]) -> list[list]:
     """Split this process's `items` of a step into micro-batches (lists of items, in order): by token budget when
     `cfg.max_tokens_per_microbatch` is set (`costs` = tokens per item; in as many balanced chunks as the busiest
     process needs, so every process runs the same number: ZeRO-3 runs forward passes in lockstep), else

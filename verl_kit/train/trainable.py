@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from verl_kit.config import TrainConfig
 from verl_kit.train.distributed import zero_stage
 
 
@@ -33,7 +34,7 @@ class Trainable:
     flags of a TrainConfig (`weight_decay`, `lr_scheduler_type`, `warmup_ratio`, `max_grad_norm`); `learning_rate`
     is passed so that two models of one run (actor, critic) can differ."""
 
-    def __init__(self, accelerator, model: nn.Module, cfg, learning_rate: float, total_steps: int):
+    def __init__(self, accelerator, model: nn.Module, cfg: TrainConfig, learning_rate: float, total_steps: int):
         from transformers import get_scheduler
 
         self.accelerator, self.max_grad_norm = accelerator, cfg.max_grad_norm
