@@ -49,7 +49,7 @@ from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger, Timer
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, reference, resolve_model_path, with_lora
 from verl_kit.rewards import make_rewards
-from verl_kit.rollout import evaluate, load_prompt_splits, rollout_metrics, sample_rows, start_rollouts
+from verl_kit.rollout import load_prompt_splits, rollout_metrics, sample_rows, start_rollouts
 from verl_kit.train import (
     CriticModel,
     ResponsePacker,
@@ -119,21 +119,14 @@ def main():
               else FixedKLController(cfg.kl_coef))
     accelerator.register_for_checkpointing(kl_ctl)
 
-    reward = make_rewards(cfg, accelerator)  # reward functions and/or a frozen reward model, weighted
+    reward = make_rewards(cfg, accelerator, tokenizer)  # reward functions and/or a frozen reward model, weighted
     # the --rollout backend, synchronous or (--async_rollout) generating ahead; resumed and synced: the first step
     rollouts, start = start_rollouts(cfg, accelerator, actor.unwrapped(), model_path, tokenizer, train.ids,
                                      total_steps)
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
-    def score(rows: list[dict], ro) -> torch.Tensor:  # sequence scores (B,): one dataset row per response
-        return reward.of_rollout(rows, ro, tokenizer)
-
-    def evaluate_held_out() -> dict:  # one response per held-out prompt, same rewards, no KL term
-        return evaluate(accelerator, rollouts, test.ids, test.rows, rollouts.eval_params, score,
-                        cfg.prompts_per_step // world)
-
-    if start == 0 and test.ids:
-        log.log(0, evaluate_held_out())
+    if start == 0 and test.ids:  # held out: one response per prompt, same rewards, no KL term
+        log.log(0, rollouts.evaluate(accelerator, test, reward.of_rollout, cfg.prompts_per_step // world))
 
     # ---- training loop -------------------------------------------------------------------------------------------
     for step in range(start, total_steps):
@@ -146,7 +139,7 @@ def main():
         # 2. rewards: sequence scores (B,)
         with timer("reward"):
             rows = [train.rows[i] for i in ro.prompt_index]  # the dataset row of each response
-            scores = score(rows, ro)
+            scores = reward.of_rollout(rows, ro)  # sequence scores (B,)
 
         # 3. old log-probs (the actor before this update), reference log-probs and values
         lengths = mask.sum(-1)
@@ -228,7 +221,7 @@ def main():
         log.advance(reward=metrics["reward/mean"])
         do_eval = test.ids and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)
         if do_eval:
-            metrics.update(evaluate_held_out())
+            metrics.update(rollouts.evaluate(accelerator, test, reward.of_rollout, cfg.prompts_per_step // world))
         if (step + 1) % cfg.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
             log.log(step + 1, metrics)
             log.log_samples(sample_rows(step + 1, rows, ro, scores, tokenizer))

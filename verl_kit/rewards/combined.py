@@ -25,9 +25,10 @@ class Rewards:
     responses cut at max length. Bad weights are a one-line UserError naming the flags."""
 
     def __init__(self, specs: str | None, reward_model: RewardModel | None, weights: str | None,
-                 missing_eos_penalty: float = 0.0):
+                 missing_eos_penalty: float = 0.0, tokenizer=None):
         self.fns = [(s, load_reward_fn(s)) for s in (specs or "").split(",") if s.strip() not in ("", "none")]
         self.reward_model, self.missing_eos_penalty = reward_model, missing_eos_penalty
+        self.tokenizer = tokenizer  # the policy's: of_rollout decodes responses with it
         n = len(self.fns) + bool(reward_model)
         try:
             self.weights = [float(w) for w in weights.split(",")] if weights else [1.0] * n
@@ -45,12 +46,13 @@ class Rewards:
         sources += [self.reward_model.score(prompts, completions)] if self.reward_model else []
         return truncation_penalty(weighted_sum(sources, self.weights), truncated, self.missing_eos_penalty)
 
-    def of_rollout(self, rows: list[dict], rollout, tokenizer) -> torch.Tensor:
-        """Scores (B,) of a rollout.Rollout's responses, decoded with the policy's `tokenizer` (special tokens
-        dropped). `rows`: the dataset row of each response (its `prompt` field, and the other columns the reward
-        functions may read). The reward functions may also take `completion_ids` (the responses' token ids)."""
+    def of_rollout(self, rows: list[dict], rollout) -> torch.Tensor:
+        """Scores (B,) of a rollout.Rollout's responses, decoded with the policy's tokenizer (special tokens
+        dropped; `tokenizer`, set by make_rewards). `rows`: the dataset row of each response (its `prompt` field,
+        and the other columns the reward functions may read). The reward functions may also take `completion_ids`
+        (the responses' token ids)."""
         ids = [r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)]
-        completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         return self([r["prompt"] for r in rows], completions, rollout.truncated, reward_columns(rows),
                     completion_ids=[x.tolist() for x in ids])
 
@@ -94,14 +96,14 @@ class RewardModel:
         return out
 
 
-def make_rewards(cfg: OnlineConfig, accelerator) -> Rewards:
+def make_rewards(cfg: OnlineConfig, accelerator, tokenizer) -> Rewards:
     """The run's Rewards from the OnlineConfig flags: `--reward_fn`, `--reward_model_name_or_path` (placed frozen:
     a ZeRO-3 inference engine under ZeRO-3), `--reward_weights`, `--missing_eos_penalty`."""
     reward_model = None
     if cfg.reward_model_name_or_path:
         reward_model = load_reward_model(cfg.reward_model_name_or_path, lambda load: frozen(accelerator, load),
                                          accelerator.device, cfg.max_length, cfg.per_device_eval_batch_size)
-    return Rewards(cfg.reward_fn, reward_model, cfg.reward_weights, cfg.missing_eos_penalty)
+    return Rewards(cfg.reward_fn, reward_model, cfg.reward_weights, cfg.missing_eos_penalty, tokenizer)
 
 
 def load_reward_model(path: str, load_frozen, device, max_length: int, batch_size: int) -> RewardModel:

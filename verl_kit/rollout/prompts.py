@@ -66,12 +66,12 @@ def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[lis
 
 
 @torch.no_grad()
-def evaluate(accelerator, engine, prompts: list[list[int]], raw_prompts: list, params: SamplingParams, score,
-             batch_size: int) -> dict:
-    """Mean score of the responses to held-out prompts (`score(raw_prompts, rollout) -> (B,)`, no KL term), the
+def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score, batch_size: int) -> dict:
+    """Mean score of the responses to the held-out `split` (`score(rows, rollout) -> (B,)`, no KL term), the
     prompts sharded over processes, `batch_size` per generate call. Every process makes the same calls (ZeRO-3
     lockstep). The torch RNG is forked, so a run samples the same training rollouts with or without evaluation. With
     `params.seed`, every response gets its own seed (the seed plus its prompt's position)."""
+    prompts, rows = split.ids, split.rows
     world, rank, n = accelerator.num_processes, accelerator.process_index, len(prompts)
     mine = shard(n, rank, world)
     tally = Tally()
@@ -82,7 +82,7 @@ def evaluate(accelerator, engine, prompts: list[list[int]], raw_prompts: list, p
             first = (rank + world * i) * params.n  # this batch's first response, over all processes
             ro = engine.generate([prompts[j] for j in idx],
                                  replace(params, seed=params.sample_seed(first)))
-            scores = score([raw_prompts[j] for j in idx for _ in range(params.n)], ro).view(len(idx), params.n)
+            scores = score([rows[j] for j in idx for _ in range(params.n)], ro).view(len(idx), params.n)
             real = torch.tensor([rank + world * (i + k) < n for k in range(len(idx))])  # not shard()'s wrap-around
             tally.add(responses=float(real.sum()) * params.n, score=scores[real],
                       tokens=ro.response_mask.view(len(idx), params.n, -1)[real])

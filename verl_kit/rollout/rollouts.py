@@ -33,6 +33,7 @@ from dataclasses import replace
 
 from verl_kit.config import OnlineConfig
 from verl_kit.rollout.backends import make_backend, start_server
+from verl_kit.rollout.prompts import Prompts, evaluate
 from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams
 from verl_kit.rollout.vllm_server import ServerProcess
 from verl_kit.train.checkpoint import resume
@@ -109,6 +110,11 @@ class Rollouts:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
         """Generate now, in turn with the queued batches (held-out evaluation)."""
         return self._wait(self._call(self.engine.generate, prompts, params), "a generation")
+
+    def evaluate(self, accelerator, split: Prompts, score, batch_size: int) -> dict:
+        """Held-out evaluation (rollout.prompts.evaluate) with the run's evaluation sampling, in turn with the queued
+        batches: eval/reward_mean, eval/response_length."""
+        return evaluate(accelerator, self, split, self.eval_params, score, batch_size)
 
     def load_weights(self, actor, version: int) -> dict:
         """Weight sync (collective), once the engine has finished every batch handed to it."""
