@@ -54,6 +54,12 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check verl_kit recipes tests bench
 
+# docs/configuration.md: every recipe's flags, generated from their config dataclasses (tests/test_docs.py fails when it
+# is out of date). Written to a temporary file first, so a failed run leaves the page as it was.
+.PHONY: docs
+docs: install
+	$(PY) -m verl_kit.config_reference > docs/configuration.md.tmp && mv docs/configuration.md.tmp docs/configuration.md
+
 bench: install bench-deps
 	GLOO_SOCKET_IFNAME=lo $(PY) bench/run.py
 
@@ -117,7 +123,7 @@ cluster-down: install
 	$(CLUSTER) down
 # ---- end of Ray cluster runs ---------------------------------------------------------------------------------------
 
-# ---- vLLM server for rollouts (issue 5) ---------------------------------------------------------------------------
+# ---- vLLM server for rollouts (--rollout vllm-server; docs/rollouts.md) --------------------------------------------
 #   make vllm-serve MODEL=tiny-llama                       OpenAI-compatible server on http://127.0.0.1:8000
 #   make vllm-serve MODEL=/path/to/model VLLM_PORT=8001 VLLM_ARGS='--dtype bfloat16 --gpu-memory-utilization 0.9'
 # then: python recipes/ppo.py --rollout vllm-server --vllm_server_url http://127.0.0.1:8000
