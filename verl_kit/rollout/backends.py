@@ -24,7 +24,10 @@ def rollout_dtype(accelerator) -> torch.dtype:
 def start_server(cfg: OnlineConfig, accelerator, model_path: str) -> tuple[ServerProcess | None, str]:
     """The vLLM server of a `--rollout vllm-server` run: `--vllm_server_url` when given (nothing started), else process
     0 starts one on a free 127.0.0.1 port (stopped by `.stop()`, at exit, or when process 0 dies) and every process
-    gets its URL. Collective. Returns (the server this process started or None, its URL)."""
+    gets its URL. Collective. Returns (the server this process started or None, its URL); (None, None) for the
+    other backends."""
+    if cfg.rollout != "vllm-server":
+        return None, None
     if cfg.vllm_server_url:
         return None, cfg.vllm_server_url
     server = None

@@ -54,6 +54,7 @@ class HFGenerateBackend:
     """Generation with transformers' `generate` on a plain copy of the policy (see the module docstring)."""
 
     BUCKET_BYTES = 64 << 20  # weight sync: parameters gathered at a time
+    per_sample_seeds = False  # draws from the torch RNG (checkpointed with the run)
 
     def __init__(self, actor, tokenizer, device, dtype: torch.dtype):
         """`actor`: the unwrapped policy (a LoRA policy's copy is its base model class, the adapter merged in at each

@@ -167,12 +167,12 @@ def start_rollouts(cfg: OnlineConfig, accelerator, actor, model_path: str, token
     sample from (seed, step, rank, index), so a resumed run draws the same ones, and evaluates with fixed seeds
     (`Rollouts.eval_params`)."""
     rank, world = accelerator.process_index, accelerator.num_processes
-    server, url = start_server(cfg, accelerator, model_path) if cfg.rollout == "vllm-server" else (None, None)
+    server, url = start_server(cfg, accelerator, model_path)
     backend = make_backend(cfg, accelerator, actor, model_path, tokenizer, prompt_ids[:cfg.vllm_probe_size], url)
     sampling = sampling_params(cfg)
 
     def seed(step: int) -> int | None:
-        return step_seed(cfg.seed, step, rank) if cfg.rollout == "vllm" else None
+        return step_seed(cfg.seed, step, rank) if backend.per_sample_seeds else None
 
     def request(step: int):
         idx = step_indices(len(prompt_ids), step, cfg.prompts_per_step, cfg.seed, rank, world)

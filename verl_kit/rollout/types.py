@@ -52,7 +52,10 @@ class Rollout:
 @runtime_checkable
 class RolloutBackend(Protocol):
     """Every rollout backend. All four are called on every training process at the same points (the weight sync and
-    the probe are collective under ZeRO-3)."""
+    the probe are collective under ZeRO-3). `per_sample_seeds`: the backend draws every sample from its own seed
+    (SamplingParams.sample_seed), so the online recipes seed each step and a resumed run regenerates its samples."""
+
+    per_sample_seeds: bool
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
         """len(prompts) * params.n responses to the prompt token ids."""

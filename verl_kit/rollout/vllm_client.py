@@ -27,6 +27,8 @@ class VLLMServer(SyncedBackend):
     vllm-serve`): VLLM_SERVER_DEV_MODE=1 and the verl_kit worker extension. `pushes`: False on training processes
     other than the one that syncs the weights (they still join the ZeRO-3 gathers)."""
 
+    per_sample_seeds = False  # one request holds a prompt's n samples: a seed there is per request, not per sample
+
     def __init__(self, base_url: str, tokenizer, *, model: str | None = None, connect_timeout_s: float = 10,
                  request_timeout_s: float = 600, max_retries: int = 4, backoff_s: float = 0.5,
                  bucket_mb: float = 64, sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,

@@ -148,6 +148,8 @@ class VLLMColocated(SyncedBackend):
     devices). The weights start from `model_path`; call load_weights(actor) before the first rollout and after every
     update."""
 
+    per_sample_seeds = True  # generate() seeds sample i with params.sample_seed(i)
+
     def __init__(self, model_path: str, tokenizer, *, dtype: str = "auto", tensor_parallel_size: int = 1,
                  max_num_seqs: int = 256, max_model_len: int | None = None, gpu_memory_utilization: float = 0.3,
                  enable_sleep_mode: bool = False, kv_cache_gib: int = 1, seed: int = 0, bucket_mb: float = 256,
