@@ -43,7 +43,7 @@ def check_flags(cfg, defaults) -> None:
                             f"{cfg.lora_dropout}: need r >= 1, alpha > 0 and 0 <= dropout < 1")
         if getattr(cfg, "load_in_4bit", False) and not torch.cuda.is_available():
             raise UserError("--load_in_4bit needs a GPU: bitsandbytes' CPU 4-bit kernel gives wrong LoRA gradients "
-                            "after a no-grad forward (see verl_kit/lora.py); drop the flag to train LoRA on CPU")
+                            "after a no-grad forward (see verl_kit/models/lora.py); drop the flag to train LoRA on CPU")
         return
     for name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit"):
         if hasattr(cfg, name) and getattr(cfg, name) != getattr(defaults, name):

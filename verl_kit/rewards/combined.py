@@ -59,7 +59,7 @@ class Rewards:
 
 class RewardModel:
     """A frozen HF sequence-classification model (num_labels=1) with its own tokenizer. `model` may be a ZeRO-3
-    inference engine (see engine.frozen): every process must then call score() the same number of times
+    inference engine (see train.trainable.frozen): every process must then call score() the same number of times
     with the same number of samples."""
 
     def __init__(self, model, tokenizer, device, max_length: int = 1024, batch_size: int = 16):
@@ -107,7 +107,7 @@ def make_rewards(cfg: OnlineConfig, accelerator, tokenizer) -> Rewards:
 
 
 def load_reward_model(path: str, load_frozen, device, max_length: int, batch_size: int) -> RewardModel:
-    """A RewardModel from a local directory or hub id; `load_frozen(loader)` places it (engine.frozen)."""
+    """A RewardModel from a local directory or hub id; `load_frozen(loader)` places it (train.trainable.frozen)."""
     path = resolve_model_path(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "right"

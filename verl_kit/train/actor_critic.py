@@ -1,9 +1,9 @@
 """PPO's models beyond the policy, and the forward passes over packed responses that actor, critic and reference share.
 
-actor      the policy LM, trained                       engine.Trainable
+actor      the policy LM, trained                       train.Trainable
 critic     LM backbone + scalar value head, trained     CriticModel in a Trainable of its own
-reference  the initial policy, frozen                   engine.frozen
-reward     HF sequence-classifier, frozen (optional)    engine.frozen, wrapped by rewards.RewardModel
+reference  the initial policy, frozen                   train.frozen
+reward     HF sequence-classifier, frozen (optional)    train.frozen, wrapped by rewards.RewardModel
 
 Why the critic is a second Trainable and not one engine over a module holding both (TRL's old PolicyAndValueWrapper):
 one engine shares one optimizer, one clipping norm and one step, so critic gradients, often much larger, would shrink
