@@ -1,5 +1,5 @@
 """Pure maths, tensors in and out (imports only torch): advantages and KL estimators, preference losses (DPO,
-IPO, KTO, Bradley-Terry), policy and value losses with their reductions, off-policy importance weights."""
+IPO, KTO, Bradley-Terry), policy and value losses with their reductions, off-policy importance weights, pass@k."""
 
 from verl_kit.algos.advantages import (
     AdaptiveKLController,
@@ -9,12 +9,26 @@ from verl_kit.algos.advantages import (
     kl_estimate,
     masked_moments,
     masked_variance,
+    reinforce_plus_plus_baseline_advantages,
+    rloo_advantages,
     token_rewards,
     truncation_penalty,
     whiten,
 )
+from verl_kit.algos.evaluation import pass_at_k
 from verl_kit.algos.off_policy import MODES, check_args, importance_weights, mismatch_metrics, reweight, step_metrics
-from verl_kit.algos.policy import entropy_from_logits, policy_clipped, policy_loss, value_clipped, value_loss
+from verl_kit.algos.policy import (
+    cispo_clipped,
+    cispo_loss,
+    clipped_surrogate,
+    entropy_from_logits,
+    policy_clipped,
+    policy_loss,
+    sequence_log_ratio,
+    surrogate_clipped,
+    value_clipped,
+    value_loss,
+)
 from verl_kit.algos.preference import (
     bradley_terry_loss,
     dpo_logits,

@@ -1,5 +1,6 @@
 """From rewards to advantages, as pure tensor functions: KL estimators, the KL penalty folded into per-token rewards,
-the KL coefficient controllers, the penalty for truncated responses, GAE, and whitening with explicit moments.
+the KL coefficient controllers, the penalty for truncated responses, GAE, the outcome-reward estimators of the
+group-sampling recipes (GRPO, RLOO, REINFORCE++-baseline), and whitening with explicit moments.
 
 Shapes: B responses, R response positions (right-padded); `mask (B, R)` is True on real response tokens.
 """
@@ -67,6 +68,28 @@ def group_advantages(scores: torch.Tensor, group_size: int, scale: bool = True, 
     if scale:
         centred = centred / (groups.std(-1, keepdim=True) + eps)
     return centred.view(-1).to(scores.dtype)
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO's advantage (Kool et al. 2019; Ahmadian et al. 2024): a response's score minus the mean of the *other*
+    group_size - 1 scores of its group (consecutive rows), s_i - (sum_j s_j - s_i) / (n - 1) = n / (n - 1) * (s_i -
+    mean). Not divided by a standard deviation (verl's `rloo`). scores (B,) -> (B,); needs group_size >= 2."""
+    groups = scores.double().view(-1, group_size)
+    others = (groups.sum(-1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others).view(-1).to(scores.dtype)
+
+
+def reinforce_plus_plus_baseline_advantages(scores: torch.Tensor, group_size: int, mask: torch.Tensor,
+                                            reduce=lambda moments: moments) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025, "REINFORCE++"; verl's `reinforce_plus_plus_baseline`): the score minus
+    its group's mean, then whitened over every response token of the whole batch: (c_i - mean) / std with mean and
+    (population) variance of c taken over tokens, so a response weighs by its length, as verl's masked_whiten of the
+    token-broadcast advantages. scores (B,), mask (B, R) -> (B,), one value per response. `reduce` sums the
+    masked_moments over processes (train.reduce_metrics; the identity for one process), so the result does not
+    depend on how the batch is split. verl uses the unbiased variance: a factor sqrt(N / (N - 1)) over N tokens."""
+    centred = group_advantages(scores, group_size, scale=False)
+    moments = reduce(masked_moments(centred[:, None].expand(mask.shape), mask))
+    return whiten(centred, torch.ones_like(centred, dtype=torch.bool), moments)
 
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor, prefix: str = "") -> dict[str, float]:

@@ -23,12 +23,13 @@ def loss_weights(loss_type: str, row_lengths: torch.Tensor, global_tokens: float
       dapo      1 / N_tokens                    every token counts the same (DAPO; verl's token-mean)
       grpo      1 / (len_i * N_seqs)            each response's token mean, then the mean over responses (GRPO paper)
       dr_grpo   1 / (N_seqs * max_len)          a constant normaliser, no length bias (Liu et al. 2025)
+      cispo     1 / N_tokens                    as dapo (TRL normalises its CISPO loss so)
     The names are TRL's (GRPOConfig.loss_type). Over a minibatch the weights sum to 1 for dapo and grpo, and to
     N_tokens / (N_seqs * max_len) for dr_grpo."""
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         return torch.full_like(row_lengths, 1.0 / global_tokens, dtype=torch.float32)
     if loss_type == "grpo":
         return 1.0 / (row_lengths.float() * global_seqs)
     if loss_type == "dr_grpo":
         return torch.full_like(row_lengths, 1.0 / (global_seqs * max_len), dtype=torch.float32)
-    raise ValueError(f"loss_type {loss_type!r}: choose dapo, grpo or dr_grpo")
+    raise ValueError(f"loss_type {loss_type!r}: choose dapo, grpo, dr_grpo or cispo")
