@@ -1,9 +1,13 @@
 """GRPO for LLMs (Shao et al. 2024, DeepSeekMath): several responses per prompt, each scored; a response's advantage is
 its score against its group's mean and standard deviation; clipped policy loss with a KL(policy || reference)
 penalty in the loss; no critic. Rollouts from HF generate or vLLM, packed token-budget forward passes, ZeRO-3.
+Its variants (docs/algorithms.md): RLOO and REINFORCE++-baseline advantages (--advantage_estimator), clip-higher
+(--epsilon_high), GSPO (--importance_sampling_level sequence), CISPO (--loss_type cispo), truncated responses out of
+the loss (--mask_truncated_completions).
 
     python recipes/grpo.py                                  # one process, embedded tiny model and task
     python recipes/grpo.py --config recipes/configs/grpo_tiny.yaml
+    python recipes/grpo.py --config recipes/configs/grpo_tiny.yaml --advantage_estimator rloo
     python recipes/grpo.py --rollout vllm                   # a vLLM engine in the process generates
     python recipes/grpo.py --rollout vllm --async_rollout   # ... the next batch while the trainer updates
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/grpo.py
@@ -22,15 +26,20 @@ from typing import ClassVar
 import torch
 
 from verl_kit.algos import (
+    cispo_clipped,
+    cispo_loss,
+    clipped_surrogate,
     entropy_from_logits,
     global_mean_share,
     group_advantages,
     kl_estimate,
     loss_weights,
-    policy_clipped,
-    policy_loss,
+    reinforce_plus_plus_baseline_advantages,
     reweight,
+    rloo_advantages,
+    sequence_log_ratio,
     step_metrics,
+    surrogate_clipped,
 )
 from verl_kit.config import OnlineConfig, parse_args
 from verl_kit.data import logprobs_from_logits
@@ -57,20 +66,33 @@ from verl_kit.train import (
 
 @dataclass
 class GRPOConfig(OnlineConfig):
-    CHOICES: ClassVar[dict] = {"loss_type": ("dapo", "grpo", "dr_grpo")}
+    CHOICES: ClassVar[dict] = {"loss_type": ("dapo", "grpo", "dr_grpo", "cispo"),
+                               "advantage_estimator": ("grpo", "rloo", "reinforce_plus_plus_baseline"),
+                               "importance_sampling_level": ("token", "sequence")}
 
     num_generations: int = field(default=4, metadata={"help": "responses sampled per prompt (the group), >= 2"})
+    advantage_estimator: str = field(default="grpo", metadata={
+        "help": "grpo (score minus the group mean, over the group std), rloo (minus the mean of the other responses "
+                "of the group) or reinforce_plus_plus_baseline (minus the group mean, whitened over the batch); "
+                "verl's names"})
     scale_rewards: bool = field(default=True, metadata={
-        "help": "divide advantages by the group's std (false: Dr. GRPO, centring only)"})
+        "help": "--advantage_estimator grpo: divide advantages by the group's std (false: Dr. GRPO, centring only)"})
     beta: float = field(default=0.04, metadata={
         "help": "coefficient of the KL(policy || reference) penalty in the loss (k3 estimator, per token); 0 loads "
                 "no reference model"})
     num_iterations: int = field(default=1, metadata={"help": "passes over each rollout batch"})
     num_mini_batches: int = field(default=1, metadata={"help": "optimizer steps per pass"})
-    cliprange: float = field(default=0.2, metadata={"help": "policy ratio clip epsilon"})
     loss_type: str = field(default="dapo", metadata={
-        "help": "loss reduction, TRL's names: dapo (mean over all tokens of the minibatch), grpo (mean of "
-                "per-response token means) or dr_grpo (sum over tokens / (responses x max_completion_length))"})
+        "help": "TRL's names: the clipped loss reduced as dapo (mean over all tokens of the minibatch), grpo (mean "
+                "of per-response token means) or dr_grpo (sum over tokens / (responses x max_completion_length)); "
+                "or cispo (CISPO: the importance weight capped at --epsilon_high and detached, times log-prob and "
+                "advantage; reduced as dapo)"})
+    importance_sampling_level: str = field(default="token", metadata={
+        "help": "token (PPO's per-token ratio) or sequence (GSPO: the mean log-ratio of the response on each of "
+                "its tokens); TRL's flag"})
+    mask_truncated_completions: bool = field(default=False, metadata={
+        "help": "responses cut at --max_completion_length (no EOS) add nothing to the loss and are not counted "
+                "in its token or response totals (DAPO); their scores still enter the advantages"})
 
 
 @main_guard
@@ -78,6 +100,11 @@ def main():
     cfg = parse_args(GRPOConfig)
     if cfg.num_generations < 2:
         raise UserError(f"--num_generations {cfg.num_generations}: GRPO compares responses within a group, use >= 2")
+    if cfg.loss_type == "cispo" and (cfg.epsilon_high is None or cfg.epsilon_high < 1.0):
+        raise UserError(f"--loss_type cispo needs --epsilon_high >= 1 (the cap of the importance weight; ScaleRL "
+                        f"uses 5.0), got {cfg.epsilon_high}")
+    if cfg.mask_truncated_completions and cfg.ignore_eos:
+        raise UserError("--mask_truncated_completions with --ignore_eos would mask every response (none ends in EOS)")
     accelerator = make_accelerator(cfg)
     world, device = accelerator.num_processes, accelerator.device
     cfg.check(world)
@@ -86,6 +113,8 @@ def main():
         logger.warning("--old_logprobs %s has no effect: with one update per rollout (--num_iterations 1 "
                        "--num_mini_batches 1) the policy ratio is taken against the update's own forward",
                        cfg.old_logprobs)
+    if not cfg.scale_rewards and cfg.advantage_estimator != "grpo" and accelerator.is_main_process:
+        logger.warning("--scale_rewards false has no effect with --advantage_estimator %s", cfg.advantage_estimator)
 
     # ---- data, models, rewards -----------------------------------------------------------------------------------
     model_path = resolve_model_path(cfg.model_name_or_path)
@@ -107,7 +136,7 @@ def main():
                                      total_steps)
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
-    if start == 0 and test.ids:  # held out: one response per prompt, same rewards, no KL term
+    if start == 0 and test.ids:  # held out: --num_generations_eval responses per prompt, same rewards, no KL term
         log.log(0, rollouts.evaluate(accelerator, test, reward.of_rollout, cfg.prompts_per_step // world))
 
     # ---- training loop -------------------------------------------------------------------------------------------
@@ -122,10 +151,17 @@ def main():
         with timer("reward"):
             rows = [train.rows[i] for i in ro.prompt_index]  # the dataset row of each response
             scores = reward.of_rollout(rows, ro)  # sequence scores (B,)
-            advantages = group_advantages(scores, cfg.num_generations, cfg.scale_rewards)
+            if cfg.advantage_estimator == "rloo":
+                advantages = rloo_advantages(scores, cfg.num_generations)
+            elif cfg.advantage_estimator == "reinforce_plus_plus_baseline":  # whitened over all ranks' tokens
+                advantages = reinforce_plus_plus_baseline_advantages(scores, cfg.num_generations, mask, reduce_metrics)
+            else:
+                advantages = group_advantages(scores, cfg.num_generations, cfg.scale_rewards)
 
         # 3. reference log-probs (for the KL term) and, with several updates per rollout, the old log-probs
         lengths = mask.sum(-1)
+        # --mask_truncated_completions: responses without EOS weigh 0 and leave the loss's token/response counts
+        keep = ~ro.truncated if cfg.mask_truncated_completions else torch.ones(B, dtype=torch.bool)
         costs = [len(p) + int(n) for p, n in zip(ro.prompt_ids, lengths)]
         with timer("ref"):
             chunks = micro_batches(cfg, list(range(B)), costs)
@@ -140,7 +176,7 @@ def main():
             mbs = minibatches(B, cfg.num_mini_batches, derived_seed(cfg.seed, step, it))
             for j, mb in enumerate(mbs):
                 mb_chunks = micro_batches(cfg, mb, [costs[i] for i in mb])
-                n = reduce_metrics({"tokens": lengths[mb].sum(), "seqs": len(mb)})  # minibatch, all ranks
+                n = reduce_metrics({"tokens": lengths[mb][keep[mb]].sum(), "seqs": keep[mb].sum()})  # all ranks
                 with timer("update_actor"):
                     for chunk in actor.accumulate(mb_chunks):
                         batch, ix = packed(ro, chunk)
@@ -148,20 +184,27 @@ def main():
                         logprobs = logprobs_from_logits(logits, ix.targets.to(device))
                         old = logprobs.detach() if one_update else old_logprobs[ix.row, ix.pos].to(device)
                         adv = advantages[ix.row].to(device)  # a response's advantage on each of its tokens
-                        loss = policy_loss(logprobs, old, adv, cfg.cliprange)
+                        # ratio per token, or GSPO's per response (the tokens of a response are all in this chunk)
+                        log_ratio = (sequence_log_ratio(logprobs, old, ix.row.to(device), B)
+                                     if cfg.importance_sampling_level == "sequence" else logprobs - old)
+                        if cfg.loss_type == "cispo":
+                            loss = cispo_loss(logprobs, log_ratio, adv, cfg.epsilon_high)
+                            clipped = cispo_clipped(log_ratio, adv, cfg.epsilon_high)
+                        else:
+                            loss = clipped_surrogate(log_ratio, adv, cfg.cliprange, cfg.epsilon_high)
+                            clipped = surrogate_clipped(log_ratio, adv, cfg.cliprange, cfg.epsilon_high)
                         # the engine sampled from mu, not pi_old: importance weights (verl_kit.algos.off_policy)
                         loss = reweight(cfg, loss, old, ro.sampling_logprobs[ix.row, ix.pos].to(device),
                                         ix.row.to(device), B, tally if it == 0 else None)
                         kl = (kl_estimate(logprobs, ref_logprobs[ix.row, ix.pos].to(device), "k3") if ref is not None
                               else torch.zeros_like(logprobs))
                         # this micro-batch's share of the minibatch loss on all ranks (algos.reduction.loss_weights)
-                        w = loss_weights(cfg.loss_type, lengths[ix.row], n["tokens"], n["seqs"],
-                                         cfg.max_completion_length)
+                        w = loss_weights(cfg.loss_type, lengths[ix.row], max(n["tokens"], 1), max(n["seqs"], 1),
+                                         cfg.max_completion_length) * keep[ix.row]
                         actor.backward(global_mean_share((loss + cfg.beta * kl) * w.to(device), 1.0, world))
                         with torch.no_grad():
-                            tally.add(tokens=len(loss), pg_loss=loss, pg_clipfrac=policy_clipped(
-                                logprobs, old, adv, cfg.cliprange), approx_kl=0.5 * (logprobs - old) ** 2,
-                                entropy=entropy_from_logits(logits), kl=kl)
+                            tally.add(tokens=len(loss), pg_loss=loss, pg_clipfrac=clipped,
+                                      approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy_from_logits(logits), kl=kl)
                     last_update = it == cfg.num_iterations - 1 and j == len(mbs) - 1  # LR schedule: once per step
                     grad_norms.append(actor.step(schedule=last_update))
 

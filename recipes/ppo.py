@@ -76,7 +76,6 @@ class PPOConfig(OnlineConfig):
     critic_learning_rate: float = field(default=1e-3, metadata={"help": "critic AdamW learning rate"})
     num_ppo_epochs: int = field(default=2, metadata={"help": "passes over each rollout batch"})
     num_mini_batches: int = field(default=2, metadata={"help": "optimizer steps per PPO epoch"})
-    cliprange: float = field(default=0.2, metadata={"help": "policy ratio clip epsilon"})
     cliprange_value: float = field(default=0.2, metadata={"help": "value clip around the rollout values"})
     ent_coef: float = field(default=0.0, metadata={"help": "entropy bonus coefficient"})
     gamma: float = field(default=1.0, metadata={"help": "GAE discount"})
@@ -125,7 +124,7 @@ def main():
                                      total_steps)
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
-    if start == 0 and test.ids:  # held out: one response per prompt, same rewards, no KL term
+    if start == 0 and test.ids:  # held out: --num_generations_eval responses per prompt, same rewards, no KL term
         log.log(0, rollouts.evaluate(accelerator, test, reward.of_rollout, cfg.prompts_per_step // world))
 
     # ---- training loop -------------------------------------------------------------------------------------------
@@ -176,7 +175,7 @@ def main():
                         logits = actor_logits(actor.model, batch.to(device), ix, cfg.temperature)
                         logprobs = logprobs_from_logits(logits, ix.targets.to(device))
                         old, adv = old_logprobs[ix.row, ix.pos].to(device), advantages[ix.row, ix.pos].to(device)
-                        pg = policy_loss(logprobs, old, adv, cfg.cliprange)
+                        pg = policy_loss(logprobs, old, adv, cfg.cliprange, cfg.epsilon_high)
                         # the engine sampled from mu, not pi_old: importance weights (verl_kit.algos.off_policy)
                         pg = reweight(cfg, pg, old, ro.sampling_logprobs[ix.row, ix.pos].to(device),
                                       ix.row.to(device), B, tally if epoch == 0 else None)
@@ -185,7 +184,8 @@ def main():
                         actor.backward(global_mean_share(pg - cfg.ent_coef * entropy, n_tok, world))
                         with torch.no_grad():  # approx_kl = mean 0.5 (log ratio)^2 (Schulman's k2)
                             tally.add(tokens=len(pg), pg_loss=pg, pg_clipfrac=policy_clipped(logprobs, old, adv,
-                                      cfg.cliprange), approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy)
+                                      cfg.cliprange, cfg.epsilon_high), approx_kl=0.5 * (logprobs - old) ** 2,
+                                      entropy=entropy)
                     grad_norms["actor"].append(actor.step(schedule=last_update))
                 with timer("update_critic"):
                     for chunk in critic.accumulate(mb_chunks):

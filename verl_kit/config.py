@@ -121,7 +121,8 @@ class RolloutConfig:
 
 @dataclass
 class OnlineConfig(TrainConfig, RolloutConfig):
-    """Flags the online recipes (PPO, GRPO) share: prompts and sampling, rewards, old log-probs, rollout backend.
+    """Flags the online recipes (PPO, GRPO) share: prompts and sampling, rewards, old log-probs, rollout backend,
+    the policy ratio's clip range, held-out evaluation.
     A step is `prompts_per_step` prompts over all processes; its updates are split by the recipe's own minibatch
     flags, and each minibatch into micro-batches of per_device_train_batch_size rows (or a token budget)."""
 
@@ -162,6 +163,18 @@ class OnlineConfig(TrainConfig, RolloutConfig):
         "help": "importance weights above this are clamped (*_truncate) or zeroed (*_mask)"})
     vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={
         "help": "importance weights below this are clamped (*_truncate) or zeroed (*_mask)"})
+    cliprange: float = field(default=0.2, metadata={
+        "help": "policy ratio clip epsilon: the range [1 - cliprange, 1 + cliprange], or its lower side when "
+                "--epsilon_high is set (TRL's GRPO `epsilon`)"})
+    epsilon_high: float | None = field(default=None, metadata={
+        "help": "upper clip epsilon: the ratio is clipped to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher, "
+                "which uses 0.28); >= cliprange; unset: cliprange (symmetric). With GRPO's --loss_type cispo: the "
+                "cap of the importance weight itself (ScaleRL uses 5.0)"})
+    num_generations_eval: int = field(default=1, metadata={
+        "help": "held-out evaluation: responses sampled per prompt; above 1 also logs eval/pass@k for k = 1, 2, "
+                "4, ... <= n (unbiased estimator, Chen et al. 2021)"})
+    pass_threshold: float = field(default=1.0, metadata={
+        "help": "eval/pass@k: a response passes when its reward is >= this"})
 
     def check(self, world: int) -> None:
         """One-line UserErrors for the online flags (after parsing; `world` = number of processes)."""
@@ -185,6 +198,11 @@ class OnlineConfig(TrainConfig, RolloutConfig):
                            self.vllm_importance_sampling_clip_min)
             except ValueError as e:
                 raise UserError(f"--{e}") from None
+        if self.epsilon_high is not None and self.epsilon_high < self.cliprange:
+            raise UserError(f"--epsilon_high {self.epsilon_high} is below --cliprange {self.cliprange}: clip-higher "
+                            "widens the upper side only; leave it unset for a symmetric range")
+        if self.num_generations_eval < 1:
+            raise UserError(f"--num_generations_eval {self.num_generations_eval}: use >= 1")
         if self.prompts_per_step % world:
             raise UserError(f"--prompts_per_step {self.prompts_per_step} must be a multiple of the {world} processes")
         if self.max_prompt_length + self.max_completion_length > self.max_length:

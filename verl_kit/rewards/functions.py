@@ -19,8 +19,9 @@ column it names or all of them if it takes **kwargs), as TRL does; otherwise the
 UserError naming the function and the sample (the batch is retried one sample at a time, columns sliced alike).
 
 Built-in functions: `kind_words` (the embedded task), `math_answer` (1.0 when the completion's final answer equals
-the row's `answer` or `solution` according to HF math-verify) and `boxed_format` (1.0 for exactly one non-empty
-\\boxed{...}). `reward_columns(rows)` turns dataset rows, one per response, into the columns dict.
+the row's `answer` or `solution` according to HF math-verify), `boxed_format` (1.0 for exactly one non-empty
+\\boxed{...}) and `soft_overlong_punishment` (DAPO's length penalty, 0 to -1; `get_soft_overlong_punishment` makes
+one for other lengths). `reward_columns(rows)` turns dataset rows, one per response, into the columns dict.
 
 A reward model is an HF sequence-classification model with its *own* tokenizer: the policy's text is decoded and
 re-tokenized with the reward tokenizer and its chat template, so policy and reward model need not share a vocabulary.
@@ -154,6 +155,48 @@ def boxed_format(prompts, completions, **columns) -> list[float]:
             start = text.find("\\boxed{", j)
         out.append(float(ok and boxes == 1))
     return out
+
+
+class SoftOverlongPunishment:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), TRL 1.16's formula
+    (trl.rewards.get_soft_overlong_punishment): with L_max = `max_completion_len`, L_cache = `soft_punish_cache`
+    and |y| the completion's token count,
+
+        0                                  |y| <= L_max - L_cache
+        ((L_max - L_cache) - |y|) / L_cache    L_max - L_cache < |y| <= L_max      (0 down to -1, linearly)
+        -1                                 |y| > L_max
+
+    Reads `completion_ids` (each response's token ids, EOS included as generated); it names `completions` too so
+    that it is called by keyword (see the module docstring: TRL's own instance takes completion_ids only and would be
+    called positionally here). A class rather than a closure so it pickles, as TRL's."""
+
+    def __init__(self, max_completion_len: int, soft_punish_cache: int):
+        if not 0 < soft_punish_cache <= max_completion_len:
+            raise UserError(f"soft overlong punishment: soft_punish_cache {soft_punish_cache} must be in "
+                            f"1..max_completion_len ({max_completion_len})")
+        self.max_completion_len, self.soft_punish_cache = max_completion_len, soft_punish_cache
+
+    def __call__(self, completions: list[str], completion_ids: list[list[int]], **kwargs) -> list[float]:
+        start = self.max_completion_len - self.soft_punish_cache
+        return [0.0 if len(ids) <= start else (start - len(ids)) / self.soft_punish_cache
+                if len(ids) <= self.max_completion_len else -1.0 for ids in completion_ids]
+
+
+def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> SoftOverlongPunishment:
+    """The soft overlong punishment for a run's --max_completion_length (TRL's factory and argument names). For
+    lengths other than soft_overlong_punishment's, name a file of your own in --reward_fn:
+
+        # my_rewards.py, then --reward_fn verl_kit.rewards:final_number,my_rewards.py:overlong
+        from verl_kit.rewards.functions import get_soft_overlong_punishment
+        overlong = get_soft_overlong_punishment(max_completion_len=512, soft_punish_cache=128)
+    """
+    return SoftOverlongPunishment(max_completion_len, soft_punish_cache)
+
+
+# --reward_fn names a function, not a call, so the ready-made one has fixed parameters: those of TRL's own command
+# line (trl/scripts/grpo.py, reward_funcs "get_soft_overlong_punishment"): it punishes completions past 1024 tokens,
+# reaching -1 at 1280. It does nothing for a run whose --max_completion_length is 1024 or less.
+soft_overlong_punishment = get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)
 
 
 def reward_columns(rows: list[dict], exclude=("prompt",)) -> dict[str, list]:

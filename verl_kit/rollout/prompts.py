@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from verl_kit.algos.evaluation import pass_at_k
 from verl_kit.config import OnlineConfig
 from verl_kit.data.datasets import load_splits, truncate
 from verl_kit.errors import UserError
@@ -66,15 +67,19 @@ def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[lis
 
 
 @torch.no_grad()
-def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score, batch_size: int) -> dict:
+def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score, batch_size: int,
+             pass_threshold: float = 1.0) -> dict:
     """Mean score of the responses to the held-out `split` (`score(rows, rollout) -> (B,)`, no KL term), the
     prompts sharded over processes, `batch_size` per generate call. Every process makes the same calls (ZeRO-3
     lockstep). The torch RNG is forked, so a run samples the same training rollouts with or without evaluation. With
-    `params.seed`, every response gets its own seed (the seed plus its prompt's position)."""
+    `params.seed`, every response gets its own seed (the seed plus its prompt's position). With `params.n` > 1
+    responses per prompt, also eval/pass@k for k = 1, 2, 4, ... <= n: the mean over prompts of the unbiased pass@k
+    (algos.pass_at_k), a response passing when its score is >= `pass_threshold`."""
     prompts, rows = split.ids, split.rows
     world, rank, n = accelerator.num_processes, accelerator.process_index, len(prompts)
     mine = shard(n, rank, world)
     tally = Tally()
+    ks = [2 ** j for j in range(params.n.bit_length()) if params.n > 1]  # 1, 2, 4, ... <= n
     starts = range(0, len(mine), batch_size)
     with torch.random.fork_rng():
         for i in progress(starts, "eval", len(starts), accelerator.is_main_process):
@@ -86,8 +91,12 @@ def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score,
             real = torch.tensor([rank + world * (i + k) < n for k in range(len(idx))])  # not shard()'s wrap-around
             tally.add(responses=float(real.sum()) * params.n, score=scores[real],
                       tokens=ro.response_mask.view(len(idx), params.n, -1)[real])
+            if params.n > 1:
+                passed = (scores[real] >= pass_threshold).sum(-1)
+                tally.add(prompts=float(real.sum()), **{f"pass@{k}": pass_at_k(passed, params.n, k) for k in ks})
     t = tally.reduce()
-    return {"eval/reward_mean": t["score"] / t["responses"], "eval/response_length": t["tokens"] / t["responses"]}
+    return {"eval/reward_mean": t["score"] / t["responses"], "eval/response_length": t["tokens"] / t["responses"],
+            **{f"eval/pass@{k}": t[f"pass@{k}"] / t["prompts"] for k in ks}}
 
 
 def sample_rows(step: int, rows: list[dict], ro: Rollout, scores: torch.Tensor, tokenizer, k: int = 4) -> list[dict]:

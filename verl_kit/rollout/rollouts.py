@@ -45,16 +45,16 @@ class Rollouts:
     the step, so it can be asked ahead of time and again after a resume); each batch carries its prompts' indices
     (`Rollout.prompt_index`). `max_staleness`: None for synchronous rollouts, else how many steps ahead batches are
     generated. `engine`: a RolloutBackend; `server`: a vLLM server the run started, stopped by close();
-    `eval_params`: the held-out evaluation's sampling."""
+    `eval_params`: the held-out evaluation's sampling; `pass_threshold`: the score a held-out response passes at."""
 
     def __init__(self, engine: RolloutBackend,
                  request: Callable[[int], tuple[list[int], list[list[int]], SamplingParams]], total_steps: int,
                  max_staleness: int | None = None, timeout_s: float = 1800, server: ServerProcess | None = None,
-                 eval_params: SamplingParams | None = None):
+                 eval_params: SamplingParams | None = None, pass_threshold: float = 1.0):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness {max_staleness}: use >= 0")
         self.engine, self.request, self.total_steps = engine, request, total_steps
-        self.server, self.eval_params = server, eval_params
+        self.server, self.eval_params, self.pass_threshold = server, eval_params, pass_threshold
         self.ahead, self.timeout_s = max_staleness, timeout_s
         self.version = 0  # of the weights the engine has
         self.batches: dict[int, tuple[Future, int]] = {}  # step -> (its rollout, the version that generates it)
@@ -113,8 +113,8 @@ class Rollouts:
 
     def evaluate(self, accelerator, split: Prompts, score, batch_size: int) -> dict:
         """Held-out evaluation (rollout.prompts.evaluate) with the run's evaluation sampling, in turn with the queued
-        batches: eval/reward_mean, eval/response_length."""
-        return evaluate(accelerator, self, split, self.eval_params, score, batch_size)
+        batches: eval/reward_mean, eval/response_length (and eval/pass@k with several responses per prompt)."""
+        return evaluate(accelerator, self, split, self.eval_params, score, batch_size, self.pass_threshold)
 
     def load_weights(self, actor, version: int) -> dict:
         """Weight sync (collective), once the engine has finished every batch handed to it."""
@@ -179,7 +179,8 @@ def start_rollouts(cfg: OnlineConfig, accelerator, actor, model_path: str, token
         return idx, [prompt_ids[i] for i in idx], replace(sampling, seed=seed(step))
 
     rollouts = Rollouts(backend, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
-                        cfg.rollout_timeout_s, server=server, eval_params=replace(sampling, n=1, seed=seed(-1)))
+                        cfg.rollout_timeout_s, server=server, pass_threshold=cfg.pass_threshold,
+                        eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)))
     start = resume(accelerator, cfg, per_rank=rollouts)
     rollouts.load_weights(actor, version=start)
     return rollouts, start
