@@ -3,22 +3,18 @@
     python bench/async_vs_sync.py                 # bench model, vLLM server in its own process
     python bench/async_vs_sync.py --steps 8 --rounds 3
 
-recipes/grpo.py on the embedded task with the ~20M bench model and `--rollout vllm-server` (the run starts its
-server as a separate process; on CPU the server computes on one core and the trainer on the other), responses of
-exactly --new_tokens tokens. Runs alternate sync / async; each step's time comes from the recipe's metrics
-(timing_s/step), the first --warmup steps of every run left out. Prints:
-
-    async_vs_sync ratio=<sync step / async step>  gen share <s>, ideal <sum / max of the phases>, <% of ideal>
-
-The generation share is timing_s/gen / timing_s/step of the synchronous run; the ideal ratio, if the two phases
-overlapped perfectly, is step / max(gen, step - gen)."""
+recipes/grpo.py on the embedded task with the bench model and `--rollout vllm-server`, responses of exactly
+--new_tokens tokens; runs alternate sync / async, each step's time is the recipe's timing_s/step, the first --warmup
+steps of every run left out. `async_vs_sync ratio=<sync step / async step>`; the generation share is timing_s/gen /
+timing_s/step of the synchronous runs, the ideal ratio (perfect overlap) step / max(gen, step - gen).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from common import PYTHON, RESULTS, ROOT, bench_env, build_model, median, run, save_results, summary_line
+from harness import PYTHON, RESULTS, ROOT, bench_env, build_model, median, run, save_results, summary_line
 
 
 def grpo(mode: str, rnd: int, args, model: str) -> list[dict]:

@@ -4,7 +4,7 @@
     RAY_VS_LOCAL_ROUNDS=1 python bench/ray_vs_local.py     # one run each instead of two (ABBA order)
 
 Both runs train the bench's ~20M-parameter model with DPO under ZeRO-3 for the same steps on the same machine. The
-ratio compares the steady-state step time (median step_time_s after the first steps); the startup overhead (wall
+ratio compares the steady-state step time (median timing_s/step after the first steps); the startup overhead (wall
 time minus the time spent in steps) is printed beside it, and the time to bring the Ray head up separately. Target:
 step time within 5% of the local run. Runs in its own loopback-only network and PID namespaces (root), so the Ray
 head can reach nothing else and every process it started dies with the benchmark.
@@ -21,8 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, bench_env, build_model, median, run, save_results, summary_line  # noqa: E402
+from harness import RESULTS, ROOT, bench_env, build_model, median, run, save_results, summary_line
 
 STEPS = 20
 WARMUP = 3  # steps left out of the steady-state median
@@ -38,12 +37,6 @@ def isolate() -> None:
     cmd = ["unshare", "-n", "-p", "-f", "--mount-proc", "bash", "-c",
            'ip link set lo up && exec "$@"', "bash", sys.executable, *sys.argv]
     sys.exit(subprocess.call(cmd, env={**os.environ, MARK: "1"}))
-
-
-def steps(output_dir: Path) -> list[float]:
-    with open(output_dir / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r["step_time_s"] for r in rows if "step_time_s" in r]
 
 
 def main() -> int:
@@ -63,9 +56,7 @@ def main() -> int:
                  "recipes/dpo.py", *args]
     ray_cmd = cluster + ["run", "--nodes", "1", "--procs_per_node", "2", "--accelerate_config",
                          "accelerate_configs/zero3.yaml", "--", *args]
-    walls = {"local": [], "ray": []}
-    step_times = {"local": [], "ray": []}
-    startups = {"local": [], "ray": []}
+    walls, step_times, startups = ({"local": [], "ray": []} for _ in range(3))
     try:
         t = time.time()
         run(cluster + ["up", "--node_ip", "127.0.0.1", "--temp_dir", str(work / "ray")], logs / "up.log", 180,
@@ -79,7 +70,8 @@ def main() -> int:
                 out = work / f"{side}{r}"
                 cmd = (local_cmd if side == "local" else ray_cmd) + ["--output_dir", str(out)]
                 wall = run(cmd, logs / f"{side}{r}.log", 900, env, f"[{side} {r}] ")
-                st = steps(out)
+                rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+                st = [r["timing_s/step"] for r in rows if "timing_s/step" in r]
                 walls[side].append(wall)
                 step_times[side] += st[WARMUP:]
                 startups[side].append(wall - sum(st))

