@@ -7,6 +7,11 @@ export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0
+# DeepSpeed's CPU Adam (ZeRO-3 offload) is JIT-compiled on first use (cc1plus, minutes): `make install` builds it once
+# into this repo-local cache, which every test and run then loads.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+# Extra pytest flags for `make test` / `make test-fast`, e.g. PYTEST_ARGS=--durations=25 (CI sets it).
+PYTEST_ARGS ?=
 
 .PHONY: install demo test test-fast lint bench bench-deps clean
 
@@ -16,7 +21,13 @@ export DS_BUILD_OPS ?= 0
 SMOLLM2_GGUF := $(VENV)/side/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
-install: $(VENV)/.installed $(SMOLLM2_GGUF)
+install: $(VENV)/.installed $(SMOLLM2_GGUF) $(TORCH_EXTENSIONS_DIR)/.cpu_adam
+
+# DeepSpeedCPUAdam's JIT build, once (DS_BUILD_CPU_ADAM=1 would need a source build of deepspeed).
+$(TORCH_EXTENSIONS_DIR)/.cpu_adam: | $(VENV)/.installed
+	mkdir -p $(@D)
+	$(PY) -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+	touch $@
 
 $(SMOLLM2_GGUF): | $(VENV)/.installed
 	rm -rf $(@D) && mkdir -p $(@D)
@@ -46,10 +57,10 @@ demo: install
 
 # Multi-process tests bind to 127.0.0.1 and use gloo over loopback.
 test: install
-	GLOO_SOCKET_IFNAME=lo $(VENV)/bin/pytest -q -p no:cacheprovider tests
+	GLOO_SOCKET_IFNAME=lo $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
 
 test-fast: install
-	GLOO_SOCKET_IFNAME=lo $(VENV)/bin/pytest -q -m "not slow" tests
+	GLOO_SOCKET_IFNAME=lo $(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS) tests
 
 lint: install
 	$(VENV)/bin/ruff check verl_kit recipes tests bench
