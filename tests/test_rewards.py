@@ -193,6 +193,17 @@ def test_calling_conventions_follow_the_signature():
             call_reward_fn("o", only_completions, ["p"], ["a"], bad)
 
 
+def test_trl_completion_ids_reward_runs_unchanged():
+    """TRL's own soft overlong punishment (trl.rewards, `completion_ids, **kwargs`: no `completions` parameter) is
+    called by keyword like any TRL reward. L_max 8, cache 4: lengths 3, 5, 7, 9 -> 0 (<= 4), (4 - 5) / 4 = -0.25,
+    (4 - 7) / 4 = -0.75, -1 (> 8)."""
+    from trl.rewards import get_soft_overlong_punishment
+
+    ids = [[1] * n for n in (3, 5, 7, 9)]
+    got = call_reward_fn("overlong", get_soft_overlong_punishment(8, 4), ["p"] * 4, ["c"] * 4, {}, ids)
+    torch.testing.assert_close(got, torch.tensor([0.0, -0.25, -0.75, -1.0]))
+
+
 def test_per_sample_retry_slices_the_columns():
     """A batch failure is retried sample by sample with the columns sliced alike: sample 1's answer 0 divides by 0."""
 

@@ -195,7 +195,7 @@ class OnlineConfig(TrainConfig, RolloutConfig):
             try:
                 check_importance_sampling_args(self.vllm_importance_sampling_mode,
                                                self.vllm_importance_sampling_clip_max,
-                           self.vllm_importance_sampling_clip_min)
+                                               self.vllm_importance_sampling_clip_min)
             except ValueError as e:
                 raise UserError(f"--{e}") from None
         if self.epsilon_high is not None and self.epsilon_high < self.cliprange:

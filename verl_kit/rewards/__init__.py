@@ -5,15 +5,18 @@ from verl_kit.rewards.combined import RewardModel, Rewards, load_reward_model, m
 from verl_kit.rewards.functions import (
     MATH_TIMEOUT_S,
     RESERVED,
+    SoftOverlongPunishment,
     boxed_format,
     call_reward_fn,
     final_number,
+    get_soft_overlong_punishment,
     kind_reply,
     kind_words,
     last_number,
     load_reward_fn,
     math_answer,
     reward_columns,
+    soft_overlong_punishment,
 )
 from verl_kit.rewards.reward_model import (
     TokenRewardModel,

@@ -252,8 +252,9 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 def _call_plan(name: str, fn, keys: list[str]) -> tuple[list[str] | None, list[str]]:
     """How to call reward function `fn` given the keyword arguments on offer (`keys`: column names, plus
     `completion_ids` when known) -> (which of `prompts`/`completions` go by keyword, or None for both positionally;
-    the keys to pass by keyword). A function with a `completions` parameter gets everything by keyword (TRL's
-    convention), any other the two lists positionally; either gets the keys it names, or all of them if it takes
+    the keys to pass by keyword). A function with a `completions` or `completion_ids` parameter gets everything by
+    keyword (TRL's convention: TRL's own `get_soft_overlong_punishment(...)` takes `completion_ids, **kwargs`), any
+    other the two lists positionally; either gets the keys it names, or all of them if it takes
     **kwargs. A required parameter with nothing to fill it is a UserError naming the function and the column; an
     unreadable signature (some builtins) gets the two lists only, as before columns existed."""
     try:
@@ -262,7 +263,7 @@ def _call_plan(name: str, fn, keys: list[str]) -> tuple[list[str] | None, list[s
         return None, []
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
     named = {p.name for p in params if p.kind in _NAMED}
-    if "completions" in named:
+    if "completions" in named or "completion_ids" in named:
         lists = [k for k in ("prompts", "completions") if var_kw or k in named]
         taken = {"prompts", "completions"}
     else:
