@@ -1,9 +1,16 @@
+"""Session fixtures: what is expensive to make is made once per run of the suite and shared by the tests that only
+need it running (the tiny and the real model, one vLLM server on the tiny model); tests that kill, crash or resume
+an engine start their own."""
+
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# DeepSpeed's CPU Adam (ZeRO-3 offload) from the one JIT build `make install` made, also when pytest runs outside make.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +26,75 @@ def tokenizer(tiny_model_path):
     from verl_kit.models import load_tokenizer
 
     return load_tokenizer(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_path(tmp_path_factory):
+    """The tiny model with tied embeddings (the output layer is the input embedding, as in SmolLM2)."""
+    from verl_kit.models import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tied") / "model"), tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The packaged real model (SmolLM2-135M-Instruct), converted from the GGUF `make install` fetched: once per
+    cache, resolved once per session."""
+    import time
+
+    from verl_kit.models import resolve_model_path
+
+    t0 = time.time()
+    path = resolve_model_path("smollm2-135m")
+    print(f"smollm2-135m resolved in {time.time() - t0:.1f}s: {path}")
+    return path
+
+
+# ---- one vLLM server on the tiny model, for every test that only needs one running ------------------------------
+
+SERVER_USERS: list = []  # the collected tests that use `vllm_server`, in run order
+
+
+def pytest_collection_finish(session):
+    SERVER_USERS[:] = [item for item in session.items if "vllm_server" in getattr(item, "fixturenames", ())]
+
+
+class SharedServer:
+    """The session's server, started by the first test that asks for it and stopped after the last one (not at the
+    end of the session: an idle vLLM server holds ~3 GB)."""
+
+    server = None
+
+    def get(self, tiny_model_path):
+        if self.server is None:
+            from verl_kit.rollout import ServerProcess
+
+            os.environ["VLLM_HOST_IP"] = "127.0.0.1"
+            self.server = ServerProcess(tiny_model_path, dtype="float32", max_num_seqs=64, max_model_len=512,
+                                        kv_cache_gib=1, startup_timeout_s=400)
+        assert self.server.proc.poll() is None, "the shared vLLM server died (a test must not kill it)"
+        return self.server
+
+    def stop(self):
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+SHARED = SharedServer()
+
+
+@pytest.fixture
+def vllm_server(tiny_model_path):
+    """A running ServerProcess (fp32, 127.0.0.1) on the tiny model, shared by the session. Its weights are whatever
+    the previous user synced: a test that compares with the base model syncs it first."""
+    return SHARED.get(tiny_model_path)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if SERVER_USERS and item is SERVER_USERS[-1]:
+        SHARED.stop()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    SHARED.stop()

@@ -83,3 +83,55 @@ def load_weights(path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(Path(path) / "model.safetensors"))
+
+
+# ---- one home for the SIGKILL -> `--resume_from_checkpoint auto` -> bit-identical scenario -------------------------
+
+def _wall_clock(key: str) -> bool:
+    """Metrics that depend on the clock or the machine, not on the run's numbers."""
+    return key == "elapsed_s" or key.startswith(("timing_s/", "perf/", "weight_sync/sec", "weight_sync/bytes_"))
+
+
+def numbers(output_dir, ignore: tuple[str, ...] = ()) -> dict[int, dict]:
+    """metrics.jsonl by step (rows of one step merged), without the wall-clock metrics and `ignore`."""
+    out: dict[int, dict] = {}
+    for r in metrics(output_dir):
+        out.setdefault(r["step"], {}).update({k: v for k, v in r.items() if not _wall_clock(k) and k not in ignore})
+    return out
+
+
+def assert_resume_bit_identical(cmd, a, b, checkpoint: int, *, run_a: bool = True, weights: str = "model.safetensors",
+                                compare_steps=(), ignore: tuple[str, ...] = (), before_resume=None,
+                                timeout: float = 300, **env_extra) -> None:
+    """`cmd(output_dir, *extra)` -> argv of one training run. Run A (already run when run_a is False) goes straight to
+    the end; run B is SIGKILLed (its whole process group, a crash) once checkpoint-`checkpoint` is complete, must not
+    have finished, and is resumed with `--resume_from_checkpoint auto` (after `before_resume(b)`, if given). Then:
+    B's final `weights` equal A's bit for bit; metrics.jsonl of B reads as one run (rows in step order, no step logged
+    twice with the same metrics, the same last step as A); and every metric of `compare_steps` but the wall-clock ones
+    and `ignore` equals A's."""
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = Path(a), Path(b)
+    if run_a:
+        run(cmd(a), timeout=timeout, **env_extra)
+    run_until(cmd(b), lambda: (b / f"checkpoint-{checkpoint}" / "trainer_state.json").is_file(), timeout=timeout,
+              **env_extra)
+    assert not (b / "final").exists(), "the run finished before it was killed"
+    if before_resume is not None:
+        before_resume(b)
+    run(cmd(b, "--resume_from_checkpoint", "auto"), timeout=timeout, **env_extra)
+
+    wa, wb = load_file(str(a / "final" / weights)), load_file(str(b / "final" / weights))
+    assert wa.keys() == wb.keys()
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not different, different
+    rows = metrics(b)
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(steps), steps
+    kinds = [(r["step"], tuple(sorted(k for k in r if not _wall_clock(k)))) for r in rows]
+    assert len(kinds) == len(set(kinds)), kinds  # no step logged twice
+    assert steps[-1] == metrics(a)[-1]["step"], (steps, metrics(a)[-1])
+    na, nb = numbers(a, ignore), numbers(b, ignore)
+    for step in compare_steps:
+        assert na[step] == nb[step], (step, na[step], nb[step])

