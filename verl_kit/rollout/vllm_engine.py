@@ -11,6 +11,9 @@ runs with logprobs_mode=processed_logprobs: temperature, top-k and top-p applied
 `load_weights` pushes the gathered actor into the engine (verl_kit.rollout.weight_sync), then checks it with a probe batch
 and returns the sync metrics, `rollout/logprob_max_abs_diff` among them.
 
+Orphans: the colocated engine's processes (and a run's server) are stopped within seconds when the training process
+dies, even by SIGKILL (verl_kit.rollout.vllm_server.OrphanGuard).
+
 Memory: on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB (`kv_cache_gib`). To fit trainer and engine on one GPU,
 give the engine a small `gpu_memory_utilization` (its weights + KV cache, e.g. 0.3 for a 7B bf16 policy on 80 GB)
 and `enable_sleep_mode`: the KV cache and weights are released after each rollout and restored before the next, so
@@ -29,6 +32,7 @@ import torch
 from verl_kit.errors import UserError
 from verl_kit.rollout.probe import Probe, default_probe_threshold
 from verl_kit.rollout.types import Rollout, SamplingParams
+from verl_kit.rollout.vllm_server import orphan_guard
 from verl_kit.rollout.weight_sync import WORKER_EXTENSION, SharedBuckets, sync_weights
 
 logger = logging.getLogger(__name__)
@@ -176,7 +180,11 @@ class VLLMColocated(SyncedBackend):
                 raise UserError("--vllm_tensor_parallel_size > 1 with a colocated engine needs one training process "
                                 "(several processes: use --rollout vllm-server)")
             kwargs["distributed_executor_backend"] = "external_launcher"
-        with contextlib.nullcontext() if gpu else _cpu_env(kv_cache_gib, cpu_threads):
+        # vLLM starts the engine core as this process's child, the workers as the core's: the guard records them as
+        # they appear and stops them if this process dies before close() (by SIGKILL too).
+        self._guard_key = f"engine-{os.getpid()}-{id(self)}"
+        env = contextlib.nullcontext() if gpu else _cpu_env(kv_cache_gib, cpu_threads)
+        with orphan_guard().watch(self._guard_key), env:
             self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype,
                                 tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, seed=seed, worker_extension_cls=WORKER_EXTENSION,
@@ -234,4 +242,5 @@ class VLLMColocated(SyncedBackend):
         if hasattr(self, "llm"):
             del self.llm  # the engine client's finalizer stops the engine core and its workers
             gc.collect()
+            orphan_guard().forget(self._guard_key)
         self._close_shared()

@@ -1,0 +1,185 @@
+"""Nothing a run started outlives its training process, however that process dies. The scenario is a SIGKILL of the
+trainer alone (an OOM kill, `kill -9 PID`): its process group and every process it started live on, no atexit or
+finalizer runs. Within BOUND_S of the kill no process the trainer had under it (by parent chain, collected just
+before the kill) may remain, nothing may still map the run's weight-sync slots, and the slots (and vLLM's own
+shared-memory queues) are removed. The processes are stopped by verl_kit.rollout.vllm_server.OrphanGuard.
+
+The colocated engine (`--rollout vllm`: vLLM's EngineCore and its Worker, which vLLM starts as the trainer's child and
+grandchild) is tested here. The server a `--rollout vllm-server` run starts is tested in
+tests/test_vllm.py::test_server_started_by_a_run_dies_with_it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import REPO, env, recipe_cmd
+
+BOUND_S = 10.0
+
+
+def alive(procs) -> list:
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def mappers(paths: set[str]) -> dict[int, set[str]]:
+    """pid -> which of `paths` it maps, over every process of this host we may read."""
+    import psutil
+
+    found = {}
+    for p in psutil.process_iter():
+        try:
+            with open(f"/proc/{p.pid}/maps") as f:
+                hit = {line.split(maxsplit=5)[5].strip().removesuffix(" (deleted)") for line in f
+                       if len(line.split(maxsplit=5)) == 6} & paths
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if hit:
+            found[p.pid] = hit
+    return found
+
+
+GUARD_DRIVER = r"""
+import json, os, subprocess, sys, time
+import psutil
+from verl_kit.rollout import vllm_server
+
+
+def with_child(proc):
+    while not psutil.Process(proc.pid).children():
+        time.sleep(0.01)
+    return proc
+
+
+vllm_server._guard = guard = vllm_server.OrphanGuard(grace_s=1.0)
+sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"]
+parent = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(600)"]
+with guard.watch("engine"):  # an engine core (a child) and its worker (a grandchild that ignores SIGTERM)
+    core = with_child(subprocess.Popen(parent + stubborn))
+with guard.watch("closed"):  # stopped normally (not really: it must be left alone all the same)
+    closed = subprocess.Popen(sleep)
+guard.forget("closed")
+bystander = subprocess.Popen(sleep)  # not the guard's: left alone
+server = with_child(subprocess.Popen(parent + sleep, start_new_session=True))  # a server and its worker: a group
+guard.group("server", server.pid)
+slot = os.path.join("/dev/shm", f"verl_kit-{os.getuid()}", f"{os.getpid()}-{'0' * 32}.safetensors")
+os.makedirs(os.path.dirname(slot), mode=0o700, exist_ok=True)
+open(slot, "w").close()
+with guard.watch("starting"):  # killed while an engine starts: what the guard saw appear so far goes
+    starting = with_child(subprocess.Popen(parent + sleep))
+    time.sleep(1.2)  # the guard polls every 0.5 s while a watch is open
+    worker = psutil.Process(core.pid).children()[0].pid
+    while not int(next(x for x in open(f"/proc/{worker}/status") if x.startswith("SigIgn:")).split()[1], 16) >> 14 & 1:
+        time.sleep(0.01)  # until the stubborn worker ignores SIGTERM
+    print(json.dumps({"guard": guard.proc.pid, "keep": [closed.pid, bystander.pid], "slot": slot}), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_guard_stops_what_it_was_told_about_and_nothing_else(tmp_path):
+    """The guard alone, on stand-ins (no vLLM): SIGKILL the process that started it; what appeared under it during
+    `watch` (a child and a grandchild, which ignores SIGTERM: SIGKILLed after the grace; and another pair while a
+    `watch` is still open) and the process group it was given go, with its slot file and the guard itself; a part
+    `forget`-ten and a child it was never told about stay."""
+    import json
+
+    import psutil
+
+    script = tmp_path / "driver.py"
+    script.write_text(GUARD_DRIVER)
+    log = tmp_path / "driver.log"
+    with open(log, "w") as f:
+        driver = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                                  stderr=f, text=True, start_new_session=True)
+    keep = []
+    try:
+        line = driver.stdout.readline()
+        assert line, log.read_text()
+        info = json.loads(line)
+        tree = psutil.Process(driver.pid).children(recursive=True)
+        keep = [p for p in tree if p.pid in info["keep"]]
+        doomed = [p for p in tree if p.pid not in info["keep"]]
+        assert len(doomed) == 7 and len(keep) == 2 and os.path.exists(info["slot"]), (tree, info)  # +guard
+        os.kill(driver.pid, signal.SIGKILL)
+        t0 = time.time()
+        driver.wait()
+        while alive(doomed) and time.time() - t0 < BOUND_S:
+            time.sleep(0.05)
+        took = time.time() - t0
+        assert not alive(doomed), alive(doomed)
+        assert 1.0 <= took < 5, took  # the stubborn one waited for the grace (1 s), no longer than needed
+        assert len(alive(keep)) == 2 and not os.path.exists(info["slot"])
+        assert f"trainer {driver.pid} is gone" in log.read_text()
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+        for p in alive(keep):
+            p.kill()
+
+
+@pytest.mark.slow
+def test_colocated_engine_dies_with_its_trainer(tmp_path):
+    """GRPO on the tiny model with `--rollout vllm`, SIGKILLed during its second step (after a weight sync into the
+    slots): the engine core, its worker, multiprocessing's resource tracker and the guard are gone within BOUND_S
+    (measured 0.5 to 1.1 s here; before the guard, the engine core and its worker ran on, reparented to PID 1)."""
+    import psutil
+
+    from verl_kit.rollout import weight_sync
+
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    cmd = recipe_cmd("grpo.py", ["--config", "recipes/configs/grpo_tiny.yaml", "--rollout", "vllm",
+                                 "--output_dir", str(out), "--max_steps", "200", "--logging_steps", "1"])
+    with open(log, "w") as f:
+        trainer = subprocess.Popen(cmd, cwd=REPO, env=env(OMP_NUM_THREADS=1, VLLM_HOST_IP="127.0.0.1"), stdout=f,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    rows = out / "metrics.jsonl"
+    deadline = time.time() + 600
+    tree = []
+    try:
+        while not (rows.is_file() and rows.stat().st_size > 0):  # step 1 logged: training (and syncing) under way
+            assert trainer.poll() is None, f"exited early ({trainer.returncode}): {log.read_text()[-3000:]}"
+            assert time.time() < deadline, "training did not start"
+            time.sleep(0.1)
+        tree = psutil.Process(trainer.pid).children(recursive=True)
+        slots = {os.path.join(weight_sync.shm_dir(), n) for n in os.listdir(weight_sync.shm_dir())
+                 if n.startswith(f"{trainer.pid}-")}
+        engine_maps = set().union(*mappers(slots).values())
+        assert len(tree) >= 2 and slots and engine_maps, (tree, slots, engine_maps)  # the engine core, its worker
+        queues = set()  # vLLM's own shared memory (its message queues), unlinked by multiprocessing's resource tracker
+        for p in alive(tree):
+            with open(f"/proc/{p.pid}/maps") as f:
+                queues |= {line.split(maxsplit=5)[5].strip().removesuffix(" (deleted)") for line in f
+                           if "/dev/shm/psm_" in line}
+        os.kill(trainer.pid, signal.SIGKILL)  # the trainer only: its group lives on
+        t0 = time.time()
+        trainer.wait()
+        while alive(tree) and time.time() - t0 < BOUND_S:
+            time.sleep(0.05)
+        took = time.time() - t0
+        left = [(p.pid, p.name()) for p in alive(tree)]
+        print(f"SIGKILL of the trainer -> last of its {len(tree)} processes gone: {took:.2f}s; left: {left}")
+        assert not left, f"left behind {took:.0f}s after the trainer's SIGKILL: {left}"
+        assert not mappers(slots), mappers(slots)
+        assert not [s for s in slots if os.path.exists(s)]
+        assert queues and not [q for q in queues if os.path.exists(q)], queues
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        for p in alive(tree):  # what the guard did not stop
+            p.kill()
