@@ -442,6 +442,7 @@ def _output_dir(args) -> str:
             with open(args.config) as f:
                 path = (yaml.safe_load(f) or {}).get("output_dir")
         if path is None:
+            # a documented lazy load: the CLI, the job driver and the reaper run without torch
             from verl_kit.config import TrainConfig
 
             path = TrainConfig.output_dir
@@ -498,7 +499,8 @@ def run(args) -> int:
     out = _output_dir(args)
     env = {k: v for k, v in os.environ.items()
            if (k.startswith(PASS_ENV_PREFIXES) or k in PASS_ENV_NAMES)}
-    driver = [args.python, "-m", "verl_kit.launch.cluster", "_driver", "--recipe", args.recipe, "--nodes", str(args.nodes),
+    driver = [args.python, "-m", "verl_kit.launch.cluster", "_driver", "--recipe", args.recipe,
+              "--nodes", str(args.nodes),
               "--procs_per_node", str(args.procs_per_node), "--accelerate_config", args.accelerate_config,
               "--cpus_per_node", str(args.cpus_per_node), "--gpus_per_node", str(args.gpus_per_node),
               "--node_timeout_s", str(args.node_timeout_s), "--placement_timeout_s", str(args.placement_timeout_s),

@@ -1,15 +1,13 @@
-"""vLLM rollout backends behind the interface of verl_kit.rollout.hf (`load_weights(actor)`, `generate(prompts, params)`).
+"""The colocated vLLM backend (rollout.types.RolloutBackend) and what it shares with the server's client
+(rollout.vllm_client.VLLMServer): SyncedBackend, the weight sync into the engine followed by the probe.
 
 VLLMColocated   a `vllm.LLM` engine inside each training process (its engine core runs in a child process; the
                 script that builds it needs an `if __name__ == "__main__":` guard).
-VLLMServer      a client of an OpenAI-compatible vLLM server (`make vllm-serve MODEL=...`, or one a run
-                starts itself: verl_kit.rollout.vllm_server): health check with a connect timeout, retries with
-                backoff on transient errors, a clear error instead of a hang when the server goes away.
 
-Both return response token ids and the log-probs of the sampled tokens under the sampling distribution (the engine
-runs with logprobs_mode=processed_logprobs: temperature, top-k and top-p applied, like the HF backend), and
-`load_weights` pushes the gathered actor into the engine (verl_kit.rollout.weight_sync), then checks it with a probe batch
-and returns the sync metrics, `rollout/logprob_max_abs_diff` among them.
+Both vLLM backends return response token ids and the log-probs of the sampled tokens under the sampling distribution
+(the engine runs with logprobs_mode=processed_logprobs: temperature, top-k and top-p applied, like the HF backend), and
+`load_weights` pushes the gathered actor into the engine (rollout.weight_sync), then checks it with a probe batch and
+returns the sync metrics, `rollout/logprob_max_abs_diff` among them.
 
 Orphans: the colocated engine's processes (and a run's server) are stopped within seconds when the training process
 dies, even by SIGKILL (verl_kit.rollout.vllm_server.OrphanGuard).

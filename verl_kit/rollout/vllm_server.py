@@ -25,7 +25,8 @@ import time
 import torch
 
 from verl_kit.errors import UserError
-from verl_kit.rollout.weight_sync import WORKER_EXTENSION
+from verl_kit.models.loading import resolve_model_path
+from verl_kit.rollout.weight_sync import WORKER_EXTENSION, slot_dir
 
 logger = logging.getLogger(__name__)
 
@@ -335,13 +336,11 @@ class OrphanGuard:
     training processes, each guards its own."""
 
     def __init__(self, grace_s: float = 5.0):
-        from verl_kit.rollout.weight_sync import _SHM_ROOT
-
-        slot_dir = os.path.join(_SHM_ROOT, f"verl_kit-{os.getuid()}")
+        slots = slot_dir()
         self.owner = os.getpid()
         # The program travels in the environment, so that `ps` shows one line that names it.
         launch = "import os; exec(os.environ.pop('VERL_KIT_ORPHAN_GUARD'))  # verl_kit.rollout.vllm_server.OrphanGuard"
-        self.proc = subprocess.Popen([sys.executable, "-I", "-c", launch, str(self.owner), str(grace_s), slot_dir],
+        self.proc = subprocess.Popen([sys.executable, "-I", "-c", launch, str(self.owner), str(grace_s), slots],
                                      env=dict(os.environ, VERL_KIT_ORPHAN_GUARD=_GUARD_PROGRAM),
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
         self._lock = threading.Lock()
@@ -457,8 +456,6 @@ def main(argv: list[str]) -> None:
     """`serve`: run a weight-syncable vLLM server in the foreground (what `make vllm-serve` calls). `api-server`:
     the server process itself (serve_command's target)."""
     import argparse
-
-    from verl_kit.models.loading import resolve_model_path
 
     if argv[:1] == ["api-server"]:
         return _api_server(argv[1:])

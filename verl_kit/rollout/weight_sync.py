@@ -135,10 +135,15 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 
 
+def slot_dir() -> str:
+    """Where this user's same-host buckets live, /dev/shm/verl_kit-<uid> (a path only: see shm_dir)."""
+    return os.path.join(_SHM_ROOT, f"verl_kit-{os.getuid()}")
+
+
 def shm_dir() -> str:
-    """The kit's own folder for same-host buckets, /dev/shm/verl_kit-<uid>, made 0700 on first use. Refused unless it
-    is a real folder (not a link) owned by this user that nobody else can enter; the worker reads only from it."""
-    path = os.path.join(_SHM_ROOT, f"verl_kit-{os.getuid()}")
+    """The kit's own folder for same-host buckets (slot_dir), made 0700 on first use. Refused unless it is a real
+    folder (not a link) owned by this user that nobody else can enter; the worker reads only from it."""
+    path = slot_dir()
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     st = os.lstat(path)
