@@ -7,8 +7,8 @@ export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0
-# DeepSpeed's CPU Adam (ZeRO-3 offload) is JIT-compiled on first use (cc1plus, minutes): `make install` builds it once
-# into this repo-local cache, which every test and run then loads.
+# DeepSpeed JIT-compiles its C++ ops on first use (cc1plus, minutes on 2 cores): `make install` builds them once into
+# this repo-local cache, which every test and run then loads.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 # Extra pytest flags for `make test` / `make test-fast`, e.g. PYTEST_ARGS=--durations=25 (CI sets it).
 PYTEST_ARGS ?=
@@ -21,12 +21,14 @@ PYTEST_ARGS ?=
 SMOLLM2_GGUF := $(VENV)/side/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
-install: $(VENV)/.installed $(SMOLLM2_GGUF) $(TORCH_EXTENSIONS_DIR)/.cpu_adam
+install: $(VENV)/.installed $(SMOLLM2_GGUF) $(TORCH_EXTENSIONS_DIR)/.built
 
-# DeepSpeedCPUAdam's JIT build, once (DS_BUILD_CPU_ADAM=1 would need a source build of deepspeed).
-$(TORCH_EXTENSIONS_DIR)/.cpu_adam: | $(VENV)/.installed
+# The op every multi-process DeepSpeed launch on CPU loads (deepspeed_shm_comm, its shared-memory all-reduce), built
+# once (DS_BUILD_OPS=1 would need a source build of deepspeed). DeepSpeedCPUAdam is not built: the recipes give
+# DeepSpeed their own torch AdamW, also under zero3_offload.yaml.
+$(TORCH_EXTENSIONS_DIR)/.built: | $(VENV)/.installed
 	mkdir -p $(@D)
-	$(PY) -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder'); b is None or b.load()"
 	touch $@
 
 $(SMOLLM2_GGUF): | $(VENV)/.installed
