@@ -2,11 +2,8 @@
 ZeRO-3 shards the parameters and matches one process; every CPU-capable accelerate config runs; and a run killed
 with SIGKILL after a checkpoint, resumed with `auto`, ends bit-identical to an uninterrupted run."""
 
-import os
-
 import pytest
-import torch
-from helpers import launch_cmd, load_weights, metrics, recipe_cmd, run, run_until
+from helpers import assert_resume_bit_identical, launch_cmd, load_weights, metrics, recipe_cmd, run
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +38,7 @@ def single_run(tmp_path_factory):
 def test_zero3_two_processes_shards_and_matches_single_process(tmp_path, single_run):
     out = tmp_path / "z3"
     run(launch_cmd("zero3.yaml", 2, "dpo.py",
-                   ["--output_dir", str(out), "--per_device_train_batch_size", "4", *COMMON]), timeout=600)
+                   ["--output_dir", str(out), "--per_device_train_batch_size", "4", *COMMON]), timeout=300)
     head = metrics(out)[0]
     assert head["params/local"] <= 0.55 * head["params/total"]  # really sharded: each rank holds about half
     assert_matches_single(out, single_run, 2)
@@ -68,30 +65,23 @@ def test_accelerate_config_runs(tmp_path, config, extra, single_run):
     out = tmp_path / "o"
     run(launch_cmd(config, nproc, "dpo.py",
                    ["--output_dir", str(out), "--per_device_train_batch_size", str(8 // nproc), *COMMON],
-                   extra=extra), timeout=600)
+                   extra=extra), timeout=300)
     assert_matches_single(out, single_run, nproc)
     assert (out / "final" / "model.safetensors").exists()
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
-    args = ["--max_steps", "120", "--save_steps", "10", "--save_total_limit", "2", "--eval_steps", "40",
+    """DPO killed once checkpoint-15 is complete (checkpoints every 5, the last 2 kept), a half-written checkpoint
+    beside it, resumed with `auto`: bit-identical to the uninterrupted run, one clean metrics history, and only the
+    last two checkpoints left."""
+    args = ["--max_steps", "30", "--save_steps", "5", "--save_total_limit", "2", "--eval_steps", "10",
             "--logging_steps", "5"]
-    full = tmp_path / "full"
-    run(recipe_cmd("dpo.py", ["--output_dir", str(full), *args]))
+    cmd = lambda out, *extra: recipe_cmd("dpo.py", ["--output_dir", str(out), *args, *extra])
+
+    def half_written(crashed):
+        (crashed / ".tmp-checkpoint-999").mkdir(exist_ok=True)  # a half-written checkpoint is never picked up
 
     crashed = tmp_path / "crashed"
-    run_until(recipe_cmd("dpo.py", ["--output_dir", str(crashed), *args]),
-              done=lambda: (crashed / "checkpoint-20").is_dir())
-    assert not (crashed / "final").exists(), "the run finished before it was killed"
-    kept = sorted(p.name for p in crashed.glob("checkpoint-*"))
-    assert 1 <= len(kept) <= 2  # keep-last-K applies
-    (crashed / ".tmp-checkpoint-999").mkdir(exist_ok=True)  # a half-written checkpoint is never picked up
-    run(recipe_cmd("dpo.py", ["--output_dir", str(crashed), *args, "--resume_from_checkpoint", "auto"]))
-
-    a, b = load_weights(full / "final"), load_weights(crashed / "final")
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    steps = [r["step"] for r in metrics(crashed) if "loss" in r]
-    assert steps == sorted(set(steps)) and steps[-1] == 120  # one clean history, no duplicated steps
-    assert sorted(os.listdir(crashed)).count("checkpoint-120") == 1
+    assert_resume_bit_identical(cmd, tmp_path / "full", crashed, 15, before_resume=half_written,
+                                compare_steps=(20, 30))
+    assert sorted(p.name for p in crashed.glob("checkpoint-*")) == ["checkpoint-25", "checkpoint-30"]  # keep-last-K

@@ -16,7 +16,7 @@ WORKER = str(REPO / "tests" / "engine_worker.py")
 def _run(tmp_path, tiny_model_path, config):
     out = tmp_path / f"{config or 'single'}.json"
     args = [tiny_model_path, str(out)]
-    run([sys.executable, WORKER, *args] if config is None else launch_script(config, 2, WORKER, args), timeout=600)
+    run([sys.executable, WORKER, *args] if config is None else launch_script(config, 2, WORKER, args), timeout=300)
     return json.loads(out.read_text())
 
 

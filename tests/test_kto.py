@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import launch_cmd, load_weights, metrics, recipe_cmd, run, run_until
+from helpers import assert_resume_bit_identical, launch_cmd, load_weights, metrics, recipe_cmd, run
 
 from verl_kit.algos import kl_reference_point, kto_loss
 from verl_kit.data import forward_logits, layout, load_split, mismatched_partners, sequence_logprobs, unpaired_examples
@@ -216,12 +216,13 @@ def test_mismatched_partners():
 @pytest.mark.slow
 def test_kto_learns_on_embedded_data(tmp_path, tiny_model_path):
     """The embedded paired task, unpaired by default: held-out implicit-reward classification >= 0.85, desirable
-    log-ratios rise while undesirable ones fall, every parameter moves."""
+    log-ratios rise while undesirable ones fall, every parameter moves. (80 steps, ~15 s: at 40 the undesirable
+    log-ratios have fallen by only 0.8 on average.)"""
     out = tmp_path / "run"
     p = run(recipe_cmd("kto.py", ["--output_dir", str(out), "--dataset_train_split", "train[:800]",
                                   "--dataset_test_split", "test[:100]", "--max_steps", "80",
                                   "--per_device_train_batch_size", "8", "--eval_steps", "1000",
-                                  "--logging_steps", "5"]), timeout=300)
+                                  "--logging_steps", "5"]), timeout=240)
     rows = metrics(out)
     evals = [r for r in rows if "eval/rewards/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 80]
@@ -295,15 +296,11 @@ def test_zero3_two_ranks_one_class_each_matches_one_process(reference_run, tmp_p
 @pytest.mark.slow
 def test_resume_after_sigkill_is_bit_identical(reference_run, tmp_path):
     """Kill the run (SIGKILL) once checkpoint-2 is complete, resume with --resume_from_checkpoint auto: the final
-    weights equal the uninterrupted run's bit for bit, and metrics.jsonl reads as one run."""
+    weights equal the uninterrupted run's (the reference run) bit for bit, and metrics.jsonl reads as one run with the
+    same numbers at steps 3 and 4."""
     data, ref_out, _ = reference_run
     out = tmp_path / "killed"
-    args = _args(data, out, "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2")
-    run_until(recipe_cmd("kto.py", args), lambda: (out / "checkpoint-2" / "trainer_state.json").is_file(),
-              timeout=240)
-    assert not (out / "final").exists()
-    run(recipe_cmd("kto.py", [*args, "--resume_from_checkpoint", "auto"]), timeout=240)
-    want, got = load_weights(ref_out / "final"), load_weights(out / "final")
-    assert want.keys() == got.keys()
-    assert all(torch.equal(want[k], got[k]) for k in want)
+    cmd = lambda o, *extra: recipe_cmd("kto.py", [*_args(data, o, "--per_device_train_batch_size", "3",
+                                                         "--gradient_accumulation_steps", "2"), *extra])
+    assert_resume_bit_identical(cmd, ref_out, out, 2, run_a=False, compare_steps=(3, 4), timeout=240)
     assert [r["step"] for r in metrics(out) if "loss" in r] == [1, 2, 3, 4]

@@ -1,6 +1,7 @@
 """Reward model: the Bradley-Terry loss against values worked by hand, rewards read at each sequence's last real
 token (packed == padded == HF's own forward, also with pad == EOS), and recipes/reward_model.py as a user runs it: it
-separates held-out pairs, its export scores through PPO's RewardModel, and ZeRO-3 on two processes matches one."""
+separates held-out pairs, its export scores through PPO's RewardModel, and ZeRO-3 on two processes matches one.
+(Its 2-step smoke run, configs and user mistakes: test_recipes.py.)"""
 
 import json
 import math
@@ -107,19 +108,23 @@ def test_margin_column(tmp_path):
 # ---- the recipe ---------------------------------------------------------------------------------------------------
 
 
+RM_STEPS = 30
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("rm")
-    # 100 steps of 8 pairs (the shipped config; held-out accuracy reaches 1.0 by step 50 in our runs).
+    # 30 steps of 8 pairs, the shipped config otherwise (held-out accuracy 1.0 from step 10 on, loss 0.12 at step 10,
+    # 0.02 at 30; one epoch is 250 steps).
     run(recipe_cmd("reward_model.py", ["--config", str(REPO / "recipes/configs/reward_model_tiny.yaml"),
-                                       "--output_dir", str(out), "--max_steps", "100"]), timeout=300)
+                                       "--output_dir", str(out), "--max_steps", str(RM_STEPS)]), timeout=240)
     return out
 
 
 @pytest.mark.slow
 def test_reward_model_separates_held_out_pairs(trained, tiny_model_path):
     evals = [r for r in metrics(trained) if "eval/rewards/accuracy" in r]
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 100
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == RM_STEPS
     assert evals[0]["eval/loss"] == pytest.approx(math.log(2), abs=0.05)  # a fresh score head: no preference yet
     assert evals[-1]["eval/rewards/accuracy"] >= 0.9, evals
     assert evals[-1]["eval/loss"] < 0.1
@@ -149,7 +154,7 @@ def test_zero3_two_processes_match_single_process(tmp_path):
     single, z3 = tmp_path / "single", tmp_path / "z3"
     run(recipe_cmd("reward_model.py", ["--output_dir", str(single), "--per_device_train_batch_size", "8", *common]))
     run(launch_cmd("zero3.yaml", 2, "reward_model.py", ["--output_dir", str(z3), "--per_device_train_batch_size", "4",
-                                                        *common]), timeout=600)
+                                                        *common]), timeout=300)
     head = metrics(z3)[0]
     assert head["world_size"] == 2 and head["params/local"] <= 0.55 * head["params/total"]
     by_step = lambda out, key: {r["step"]: r[key] for r in metrics(out) if key in r}
@@ -163,7 +168,9 @@ def test_zero3_two_processes_match_single_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_margin_column_and_bad_rows(tmp_path):
+def test_margin_column_and_centering_train(tmp_path):
+    """Preference rows with a `margin` column and --center_rewards_coefficient: the recipe trains on them. (A bad
+    margin or a missing field as one line: test_recipes.py.)"""
     rows = [json.loads(line) for line in open(f"{TINY_PREFS}/test.jsonl")][:16]
     data = tmp_path / "margins.jsonl"
     data.write_text("".join(json.dumps({**r, "margin": 0.5}) + "\n" for r in rows))
@@ -171,34 +178,20 @@ def test_margin_column_and_bad_rows(tmp_path):
     run(recipe_cmd("reward_model.py", ["--output_dir", str(out), "--dataset_name", str(data), "--max_steps", "2",
                                        "--center_rewards_coefficient", "0.01", "--logging_steps", "1"]))
     assert [r["step"] for r in metrics(out) if "loss" in r] == [1, 2]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("".join(json.dumps({**r, "margin": None if i == 2 else 1.0}) + "\n" for i, r in enumerate(rows)))
-    missing = tmp_path / "missing.jsonl"
-    missing.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
-    for path, expected in ((bad, f"error: {bad} row 3: field 'margin' must be a finite number, got None"),
-                           (missing, f"error: {missing} row 2: missing field 'rejected'")):
-        p = run(recipe_cmd("reward_model.py", ["--output_dir", str(tmp_path / "x"), "--dataset_name", str(path)]),
-                check=False)
-        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
-        assert p.stderr.strip().splitlines()[-1] == expected
-    p = run(recipe_cmd("reward_model.py", ["--config", str(REPO / "recipes/configs/reward_model_tiny.yaml"),
-                                           "--help"]), check=False)
-    assert p.returncode == 0, p.stderr[-1000:]
 
 
 @pytest.mark.slow
-def test_sft_then_reward_model_then_ppo(tmp_path):
-    """The pipeline: a briefly SFT-ed policy, a reward model trained on the preference pairs, and PPO driven by that
-    reward model alone; the reward model's score of the policy's samples rises (measured: 1.92 at step 1, 3.14 at
-    step 12)."""
-    sft, rm, ppo = tmp_path / "sft", tmp_path / "rm", tmp_path / "ppo"
+def test_sft_then_reward_model_then_ppo(trained, tmp_path):
+    """The pipeline: a briefly SFT-ed policy, the reward model this module trained on the preference pairs, and PPO
+    driven by that reward model alone; the reward model's score of the policy's samples rises."""
+    sft, rm, ppo = tmp_path / "sft", trained, tmp_path / "ppo"
     none = ["--dataset_test_split", "none"]
     run(recipe_cmd("sft.py", ["--output_dir", str(sft), "--max_steps", "30", "--learning_rate", "1e-3", *none]))
-    run(recipe_cmd("reward_model.py", ["--output_dir", str(rm), "--max_steps", "60", *none]))
     run(recipe_cmd("ppo.py", ["--config", str(REPO / "recipes/configs/ppo_tiny.yaml"), "--output_dir", str(ppo),
                               "--model_name_or_path", str(sft / "final"), "--reward_fn", "none",
                               "--reward_model_name_or_path", str(rm / "final"), "--max_steps", "12",
                               "--logging_steps", "1", *none]), timeout=300)
     reward = [r["reward/mean"] for r in metrics(ppo) if "reward/mean" in r]
+    print("pipeline ppo reward", [round(x, 3) for x in reward])
     assert len(reward) == 12
     assert sum(reward[-4:]) / 4 > sum(reward[:2]) / 2 + 0.5, reward

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import REPO, launch_cmd, load_weights, metrics, recipe_cmd, run, run_until
+from helpers import REPO, assert_resume_bit_identical, launch_cmd, load_weights, metrics, recipe_cmd, run
 
 from verl_kit.algos import global_mean_share
 from verl_kit.data import TINY_SFT, forward_logits, layout, load_split, sft_examples, token_logprobs, truncate
@@ -196,23 +196,12 @@ def test_sft_export_replies_kindly(trained):
 
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
-    args = ["--max_steps", "60", "--save_steps", "10", "--save_total_limit", "2", "--eval_steps", "20",
+    """SIGKILL once checkpoint-10 is complete, resume with `auto`: the final weights equal the uninterrupted run's
+    bit for bit, and so do the held-out evaluations and losses of steps 20 and 30."""
+    args = ["--max_steps", "30", "--save_steps", "10", "--save_total_limit", "2", "--eval_steps", "10",
             "--logging_steps", "5", "--learning_rate", "1e-3"]
-    full = tmp_path / "full"
-    run(recipe_cmd("sft.py", ["--output_dir", str(full), *args]))
-    crashed = tmp_path / "crashed"
-    run_until(recipe_cmd("sft.py", ["--output_dir", str(crashed), *args]),
-              done=lambda: (crashed / "checkpoint-20").is_dir())
-    assert not (crashed / "final").exists(), "the run finished before it was killed"
-    run(recipe_cmd("sft.py", ["--output_dir", str(crashed), *args, "--resume_from_checkpoint", "auto"]))
-    a, b = load_weights(full / "final"), load_weights(crashed / "final")
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    steps = [r["step"] for r in metrics(crashed) if "loss" in r]
-    assert steps == sorted(set(steps)) and steps[-1] == 60
-    evals = {r["step"]: r["eval/loss"] for r in metrics(crashed) if "eval/loss" in r}
-    assert evals == {r["step"]: r["eval/loss"] for r in metrics(full) if "eval/loss" in r}
+    cmd = lambda out, *extra: recipe_cmd("sft.py", ["--output_dir", str(out), *args, *extra])
+    assert_resume_bit_identical(cmd, tmp_path / "full", tmp_path / "crashed", 10, compare_steps=(20, 30))
 
 
 # Global batch 8 sequences per step: 1 process x 8, 2 processes x 4, or 8 split by a token budget.
@@ -244,7 +233,7 @@ def assert_matches(out, single_run, later_tol):
 def test_zero3_two_processes_match_single_process(tmp_path, single_run):
     out = tmp_path / "z3"
     run(launch_cmd("zero3.yaml", 2, "sft.py", ["--output_dir", str(out), "--per_device_train_batch_size", "4",
-                                                *COMMON]), timeout=600)
+                                                *COMMON]), timeout=300)
     head = metrics(out)[0]
     assert head["world_size"] == 2 and head["params/local"] <= 0.55 * head["params/total"]
     assert_matches(out, single_run, later_tol=1e-3)
@@ -258,16 +247,3 @@ def test_token_budget_microbatches_match(tmp_path, single_run):
     run(recipe_cmd("sft.py", ["--output_dir", str(out), "--per_device_train_batch_size", "8",
                               "--max_tokens_per_microbatch", "60", *COMMON]))
     assert_matches(out, single_run, later_tol=1e-4)
-
-
-@pytest.mark.slow
-def test_recipe_bad_row_is_one_line(tmp_path):
-    data = tmp_path / "chat.jsonl"
-    data.write_text(json.dumps({"messages": [USER, REPLY]}) + "\n" + json.dumps({"messages": [USER]}) + "\n")
-    p = run(recipe_cmd("sft.py", ["--output_dir", str(tmp_path / "o"), "--dataset_name", str(data)]), check=False)
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert p.stderr.strip().splitlines()[-1] == (f"error: {data} row 2: field 'messages' has no assistant turn to "
-                                                 "learn from (or pass --assistant_only_loss false to learn the whole "
-                                                 "conversation)")
-    p = run(recipe_cmd("sft.py", ["--config", str(REPO / "recipes/configs/sft_tiny.yaml"), "--help"]), check=False)
-    assert p.returncode == 0, p.stderr[-1000:]

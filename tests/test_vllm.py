@@ -20,8 +20,6 @@ import pytest
 import torch
 from helpers import REPO, env, isolated, run
 
-pytestmark = pytest.mark.slow
-
 PROBE_TEXTS = ["hello there", "tell me something kind", "what is the weather", "a friendly word please"]
 
 
@@ -148,6 +146,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_colocated_generate_sync_probe(tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
@@ -190,6 +189,7 @@ def client(vllm_server, tokenizer, tiny_model_path):
     c.close()
 
 
+@pytest.mark.slow
 def test_server_generate(client, tokenizer, tiny_model_path):
     from verl_kit.rollout import SamplingParams
 
@@ -216,6 +216,7 @@ def test_server_generate(client, tokenizer, tiny_model_path):
     assert float((ro.sampling_logprobs - hf_sampling_logprobs(model, ro, 1.0)).abs().max()) < 1e-3
 
 
+@pytest.mark.slow
 def test_server_sync_matches_trained_policy(client, tokenizer, tiny_model_path):
     from verl_kit.rollout import SamplingParams
 
@@ -244,6 +245,7 @@ def test_unreachable_server_is_a_user_error(tokenizer):
 PPO_VLLM_STEPS = 14
 
 
+@pytest.mark.slow
 def test_ppo_learns_with_colocated_vllm(tmp_path):
     """The recipe end to end on the embedded task with a colocated engine: rollouts from vLLM, a sync after every
     update, the probe logged and small (fp32 engine and trainer), and it learns as with HF rollouts (test_ppo): the
@@ -265,6 +267,7 @@ def test_ppo_learns_with_colocated_vllm(tmp_path):
     assert (out / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_ppo_runs_against_the_shared_server(vllm_server, tmp_path):
     """`--vllm_server_url`: the run syncs into a server it did not start (a run without the URL starts its own
     through the same ServerProcess: test_server_started_by_a_run_dies_with_it)."""
@@ -282,6 +285,7 @@ def test_ppo_runs_against_the_shared_server(vllm_server, tmp_path):
     assert (out / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_server_started_by_a_run_dies_with_it(tmp_path):
     """A run with `--rollout vllm-server` and no URL starts its own server. SIGKILL the run after its first step (its
     atexit never runs): the parent-death signal stops the server, and no process of the server's group is left
@@ -375,6 +379,7 @@ print("RESULT " + json.dumps(out), flush=True)
 '''
 
 
+@pytest.mark.slow
 def test_owned_server_needs_an_api_key_beyond_loopback_and_fails_fast_when_killed(tmp_path, tiny_model_path,
                                                                                    monkeypatch):
     """A kit server on a non-loopback host: refused without VLLM_API_KEY; with it, the weight-sync endpoint (which

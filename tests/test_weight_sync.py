@@ -24,8 +24,6 @@ import pytest
 import torch
 from helpers import REPO, env, launch_cmd, load_weights, metrics, run
 
-pytestmark = pytest.mark.slow
-
 PROBE_TEXTS = ["hello there", "tell me something kind", "what is the weather", "a friendly word please"]
 ENGINE = dict(dtype="float32", max_num_seqs=16, max_model_len=256, kv_cache_gib=1)
 
@@ -103,6 +101,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_colocated_sync_matches_trainer_tied(tiny_tied_path, tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER.format(tests=str(Path(__file__).parent), path=tiny_tied_path))
@@ -117,6 +116,7 @@ def test_colocated_sync_matches_trainer_tied(tiny_tied_path, tmp_path):
     assert_synced(out["sync_first_names_only"])
 
 
+@pytest.mark.slow
 def test_server_sync_matches_trainer_tied(tiny_tied_path):
     from verl_kit.models import load_causal_lm, load_tokenizer
     from verl_kit.rollout import ServerProcess, VLLMServer
@@ -135,6 +135,7 @@ def test_server_sync_matches_trainer_tied(tiny_tied_path):
     assert_synced(out)
 
 
+@pytest.mark.slow
 def test_same_host_transport(vllm_server, tiny_model_path, tmp_path, monkeypatch):
     """A server on a loopback URL gets the buckets through the kit's shm folder (only the slots' references cross the
     HTTP RPC): the sync is exact like the inline one (~1e-6); the next sync writes the same slot files again (fresh
@@ -230,6 +231,7 @@ def slot_mappings(pid: int) -> set[str]:
     return found
 
 
+@pytest.mark.slow
 def test_grpo_zero3_tied_model_with_vllm(tiny_tied_path, tmp_path):
     """2 processes, ZeRO-3 (the tied embedding is one sharded parameter), a colocated engine in each, a high learning
     rate: every sync's probe (logged as rollout/logprob_max_abs_diff) stays below 1e-3; the run stops (the backend's
@@ -346,6 +348,7 @@ print("RESULT " + json.dumps({"syncs": syncs, "left": os.listdir(weight_sync.shm
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root to mount a small tmpfs")
 def test_full_shm_falls_back_to_inline(tiny_model_path):
     """A /dev/shm too small for the weights (a container's default is 64 MiB): here a 1 MiB tmpfs mounted over
