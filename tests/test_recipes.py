@@ -3,6 +3,7 @@ embedded tiny model (held-out evaluation before and after, a checkpoint, the HF 
 report to TensorBoard and W&B); every shipped config parses into its recipe's flags; user mistakes end with one line
 and exit code 2, and a failed restart leaves what a run saved as it was. The slow tier checks that they learn."""
 
+import json
 import math
 import os
 import runpy
@@ -117,8 +118,6 @@ def bad_prefs(tmp_path):
 
 
 def bad_margin(tmp_path):
-    import json
-
     from verl_kit.models import TINY_PREFS
 
     rows = [json.loads(line) for line in open(f"{TINY_PREFS}/test.jsonl")][:4]
@@ -130,8 +129,6 @@ def bad_margin(tmp_path):
 def bad_chat(tmp_path):
     data = tmp_path / "chat.jsonl"
     user, reply = {"role": "user", "content": "Tell me about the sea."}, {"role": "assistant", "content": "Calm."}
-    import json
-
     data.write_text(json.dumps({"messages": [user, reply]}) + "\n" + json.dumps({"messages": [user]}) + "\n")
     return str(data), (f"error: {data} row 2: field 'messages' has no assistant turn to learn from (or pass "
                        "--assistant_only_loss false to learn the whole conversation)")
@@ -152,8 +149,7 @@ ERRORS = [
                                                                "not found"),
     ("dpo.py", "--dataset_name", "/nonexistent/data.jsonl", "error: --dataset_name /nonexistent/data.jsonl: no such "
                                                             "file"),
-    ("dpo.py", "--dataset_name", bad_prefs, None),
-    ("reward_model.py", "--dataset_name", bad_prefs, None),
+    ("dpo.py", "--dataset_name", bad_prefs, None),  # the reward model's loader too (verl_kit.data.preference_examples)
     ("reward_model.py", "--dataset_name", bad_margin, None),
     ("sft.py", "--dataset_name", bad_chat, None),
     ("dpo.py", "--output_dir", unwritable, None),
