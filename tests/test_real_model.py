@@ -18,16 +18,6 @@ ANSWER = "The capital of France is Paris."
 
 
 @pytest.fixture(scope="module")
-def smollm2_path():
-    from verl_kit.models import resolve_model_path
-
-    t0 = time.time()
-    path = resolve_model_path("smollm2-135m")
-    print(f"smollm2-135m resolved in {time.time() - t0:.1f}s: {path}")
-    return path
-
-
-@pytest.fixture(scope="module")
 def smollm2(smollm2_path):
     from transformers import AutoModelForCausalLM
 
@@ -182,11 +172,11 @@ ARITH_CONFIG = "recipes/configs/grpo_arith.yaml"
 
 
 def test_arith_task_data_rewards_and_two_grpo_steps(smollm2_path, tmp_path):
-    """The RLVR task for the real model (verl_kit.data.tasks arith, recipes/configs/grpo_arith.yaml): the shipped data is
-    what `python -m verl_kit.data.tasks arith` writes (fixed seed), loads as chat prompts with a string `answer` column,
-    and holds out problems the train split never shows; through Rewards with the `answer` column math_answer scores a
-    right and a wrong reference completion 1/0, and so does the config's final_number, which also refuses the bare
-    restated question that math_answer credits; a 2-step GRPO run with the config completes and logs
+    """The RLVR task for the real model (verl_kit.data.tasks arith, recipes/configs/grpo_arith.yaml): the shipped data
+    is what `python -m verl_kit.data.tasks arith` writes (fixed seed), loads as chat prompts with a string `answer`
+    column, and holds out problems the train split never shows; through Rewards with the `answer` column math_answer
+    scores a right and a wrong reference completion 1/0, and so does the config's final_number, which also refuses the
+    bare restated question that math_answer credits; a 2-step GRPO run with the config completes and logs
     eval/reward_mean (no learning asserted here: at the config's 8 x 8 responses per step that takes ~5 steps)."""
     from helpers import recipe_cmd
 
