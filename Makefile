@@ -23,12 +23,13 @@ SMOLLM2_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 
 install: $(VENV)/.installed $(SMOLLM2_GGUF) $(TORCH_EXTENSIONS_DIR)/.built
 
-# The op every multi-process DeepSpeed launch on CPU loads (deepspeed_shm_comm, its shared-memory all-reduce), built
-# once (DS_BUILD_OPS=1 would need a source build of deepspeed). DeepSpeedCPUAdam is not built: the recipes give
-# DeepSpeed their own torch AdamW, also under zero3_offload.yaml.
+# The C++ ops DeepSpeed JIT-builds here, built once (DS_BUILD_OPS=1 would need a source build of deepspeed):
+# deepspeed_shm_comm, the shared-memory all-reduce every multi-process launch on CPU loads, and cpu_adam, the
+# DeepSpeedCPUAdam that accelerate swaps in for a recipe's AdamW under zero3_offload.yaml.
 $(TORCH_EXTENSIONS_DIR)/.built: | $(VENV)/.installed
 	mkdir -p $(@D)
-	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder'); b is None or b.load()"
+	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; \
+		[b.load() for b in map(a().create_op_builder, ('ShareMemCommBuilder', 'CPUAdamBuilder')) if b is not None]"
 	touch $@
 
 $(SMOLLM2_GGUF): | $(VENV)/.installed
