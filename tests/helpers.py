@@ -74,6 +74,24 @@ def run_until(cmd: list[str], done, timeout: float = 300, **env_extra) -> None:
         p.wait()
 
 
+def run_driver(source: str, *args: str, timeout: float = 300, wrap=None, **env_extra) -> dict:
+    """Run the Python `source` as a script (a file: vLLM's engine wants a `__main__` guard) in a fresh interpreter
+    from the repo, in its own session, with `args`; `wrap(cmd)` gives the command to run instead (e.g. `isolated`).
+    It must exit 0 and print a line `RESULT <json>`: the JSON of the last one is returned."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="verl-kit-driver-") as d:
+        script = Path(d) / "driver.py"
+        script.write_text(source)
+        cmd = [sys.executable, str(script), *args]
+        p = subprocess.run(wrap(cmd) if wrap else cmd, cwd=REPO, env=env(**env_extra), capture_output=True, text=True,
+                           timeout=timeout, start_new_session=True)
+    assert p.returncode == 0, f"driver exit {p.returncode}\n--- stderr tail ---\n{p.stderr[-4000:]}"
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, f"no RESULT line\n--- stdout tail ---\n{p.stdout[-2000:]}\n--- stderr tail ---\n{p.stderr[-2000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def metrics(output_dir) -> list[dict]:
     with open(Path(output_dir) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]

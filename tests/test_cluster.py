@@ -21,8 +21,10 @@ from verl_kit.launch.cluster import launch_command, parse
 HEAD_IP, WORKER_IP = "10.200.0.1", "10.200.0.2"
 DASHBOARD = f"http://{HEAD_IP}:8265"
 NODE_TIMEOUT_S = 30
-# 40 steps with a checkpoint every 5: long enough to kill a node mid-run, short enough for 2 CPU cores.
-RECIPE_ARGS = ["--max_steps", "40", "--logging_steps", "1", "--save_steps", "5", "--dataset_test_split", "none"]
+# 20 steps with a checkpoint every 5: a node is killed after checkpoint-10 (10 steps still to go), frozen after
+# checkpoint-5; short enough for 2 CPU cores.
+STEPS = 20
+RECIPE_ARGS = ["--max_steps", str(STEPS), "--logging_steps", "1", "--save_steps", "5", "--dataset_test_split", "none"]
 
 
 def test_launch_command_adds_the_multi_node_fields():
@@ -149,7 +151,7 @@ class Cluster:
         self.head_ns, self.worker_ns = head_ns, worker_ns
 
     def cli(self, *args: str, timeout: float = 300, ns: str | None = None) -> subprocess.CompletedProcess:
-        """`python -m verl_kit.launch.cluster ...` on the head node (or in `ns`), as a user would run `make cluster-*`."""
+        """`python -m verl_kit.launch.cluster ...` on the head node (or in `ns`), as a user runs `make cluster-*`."""
         cmd = ["ip", "netns", "exec", ns or self.head_ns, sys.executable, "-m", "verl_kit.launch.cluster", *args]
         return subprocess.run(cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
 
@@ -211,7 +213,7 @@ def _losses(output_dir) -> dict[int, float]:
 
 
 def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
-    assert sorted(got) == sorted(want) == list(range(1, 41))
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     worst = max(abs(got[s] - want[s]) for s in want)
     assert worst < 1e-5, f"largest step-loss difference {worst:.3g}: {got} vs {want}"
 
@@ -251,7 +253,8 @@ def test_killed_node_fails_the_job_in_bound_then_resume_completes(cluster, local
             assert job.poll() is None, f"job ended early ({job.returncode}):\n{job.stdout.read()[-6000:]}"
             assert time.time() < deadline, "no checkpoint-10"
             time.sleep(0.1)
-        victims = [int(line.split(":")[0]) for line in _procs_with(f"recipes/dpo.py {' '.join(RECIPE_ARGS)}")
+        mine = f"recipes/dpo.py {' '.join(RECIPE_ARGS)} --output_dir {out}"  # this job's, not another run's
+        victims = [int(line.split(":")[0]) for line in _procs_with(mine)
                    if "accelerate" not in line and _env_of(int(line.split(":")[0])).get("RANK") == "1"]
         assert len(victims) == 1, _procs_with("recipes/dpo.py")
         os.kill(victims[0], signal.SIGKILL)  # node 1's training process dies mid-run

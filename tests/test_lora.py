@@ -5,14 +5,12 @@ line."""
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, assert_resume_bit_identical, env, launch_cmd, metrics, recipe_cmd, run
+from helpers import assert_resume_bit_identical, launch_cmd, metrics, recipe_cmd, run, run_driver
 
 from verl_kit.config import TrainConfig, parse_args
 from verl_kit.errors import UserError
@@ -95,11 +93,10 @@ def test_synced_tensors_are_the_merged_policy(tiny_model_path):
     assert moved > 1e-3 and diff < 1e-4, (moved, diff)
 
 
-def test_output_layer_adapter_syncs_untied_and_is_refused_tied(tiny_model_path, tmp_path):
+def test_output_layer_adapter_syncs_untied_and_is_refused_tied(tiny_model_path, tiny_tied_path):
     """lm_head may be adapted when it is a weight of its own (the embedded tiny model): the synced tensors give the
     LoRA policy's logits. On a tied model the output layer is the input embedding, so a merged lm_head (or
     embed_tokens) adapter would change both in the engine (measured: 1.75 nats off): refused in one line."""
-    from verl_kit.models import build_tiny_model
 
     model = lora_model(tiny_model_path, "--lora_target_modules", "q_proj,lm_head")
     assert any("lm_head.lora_B" in n for n, _ in model.named_parameters())
@@ -113,7 +110,7 @@ def test_output_layer_adapter_syncs_untied_and_is_refused_tied(tiny_model_path, 
     diff = float((logits(plain, ids) - logits(model, ids)).abs().max())
     assert moved > 1e-3 and diff < 1e-4, (moved, diff)
 
-    tied = build_tiny_model(str(tmp_path / "tied"), tie_word_embeddings=True)
+    tied = tiny_tied_path
     for spec, named in (("q_proj,lm_head", "lm_head"), ("embed_tokens", "embed_tokens")):
         with pytest.raises(UserError) as e:
             with_lora(load_causal_lm(tied, "sdpa"), lora_cfg("--lora_target_modules", spec))
@@ -240,14 +237,12 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("procs", [1, 2])
-def test_lora_sigkill_then_resume_is_bit_identical(procs, tmp_path):
+def test_lora_sigkill_then_resume_is_bit_identical(procs, tmp_path, tiny_tied_path):
     """Adapter and its AdamW state come back exactly, in one process and under ZeRO-3 x2: the resumed run ends with
     the uninterrupted run's adapter. The checkpoints hold the adapter, not the frozen base model (which the resumed
     run loads from --model_name_or_path). One process: the checkpoint resumed onto another base model, or with
     another rank, is refused in one line."""
     from safetensors.torch import save_file
-
-    from verl_kit.models import build_tiny_model
 
     args = [*LORA, "--max_steps", "20" if procs == 1 else "12", "--save_steps", "10" if procs == 1 else "4",
             "--eval_steps", "20", "--logging_steps", "2", "--learning_rate", "1e-2",
@@ -262,7 +257,7 @@ def test_lora_sigkill_then_resume_is_bit_identical(procs, tmp_path):
         assert procs == 2 or saved  # ZeRO-3 keeps the adapter's values in its optimizer partitions only
         if procs == 2:
             return
-        other_base = build_tiny_model(str(tmp_path / "other"), tie_word_embeddings=True)
+        other_base = tiny_tied_path
         for flag, value in (("--model_name_or_path", other_base), ("--lora_r", "4")):
             p = run(cmd(crashed, flag, value, "--resume_from_checkpoint", "auto"), check=False)
             last = p.stderr.strip().splitlines()[-1]
@@ -324,11 +319,5 @@ def test_grpo_lora_vllm_sync_on_tied_model(tiny_tied_path, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 for r in rows), rows
     assert all(r["rollout/probe_trainer_moved"] > 1e-2 for r in rows), rows  # the adapter moved the policy
-    script = tmp_path / "driver.py"
-    script.write_text(VLLM_DRIVER)
-    p = subprocess.run([sys.executable, str(script), str(out / "final")], cwd=REPO, capture_output=True,
-                       text=True, timeout=300, env=env(VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS=2),
-                       start_new_session=True)
-    assert p.returncode == 0, p.stderr[-4000:]
-    result = json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    result = run_driver(VLLM_DRIVER, str(out / "final"), timeout=300, VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS=2)
     assert result["diff"] < 1e-3, result

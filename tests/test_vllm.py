@@ -9,16 +9,13 @@ measured ~1e-6; a failed sync moves them by whole nats)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, env, isolated, run
+from helpers import isolated, run_driver
 
 PROBE_TEXTS = ["hello there", "tell me something kind", "what is the weather", "a friendly word please"]
 
@@ -147,15 +144,9 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-def test_colocated_generate_sync_probe(tmp_path):
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
+def test_colocated_generate_sync_probe():
     t0 = time.time()
-    p = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env(VLLM_HOST_IP="127.0.0.1"),
-                       capture_output=True, text=True, timeout=420, start_new_session=True)
-    assert p.returncode == 0, p.stderr[-4000:]
-    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    out = json.loads(line[len("RESULT "):])
+    out = run_driver(DRIVER.format(tests=str(Path(__file__).parent)), timeout=420, VLLM_HOST_IP="127.0.0.1")
     print(f"colocated driver {time.time() - t0:.1f}s: {out}")
     assert out["n_prompts"] == 12 and out["shape"][0] == 12 and out["shape"][1] <= 6
     assert out["mask_sum"] > 12
@@ -380,8 +371,7 @@ print("RESULT " + json.dumps(out), flush=True)
 
 
 @pytest.mark.slow
-def test_owned_server_needs_an_api_key_beyond_loopback_and_fails_fast_when_killed(tmp_path, tiny_model_path,
-                                                                                   monkeypatch):
+def test_owned_server_needs_an_api_key_beyond_loopback_and_fails_fast_when_killed(tiny_model_path, monkeypatch):
     """A kit server on a non-loopback host: refused without VLLM_API_KEY; with it, the weight-sync endpoint (which
     vLLM's own --api-key leaves open) and /v1 answer 401 without the key, and the kit's client, which sends it, syncs.
     Run in a private network namespace, so 0.0.0.0 there is loopback only. Then the same server (owned by this test)
@@ -393,11 +383,8 @@ def test_owned_server_needs_an_api_key_beyond_loopback_and_fails_fast_when_kille
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     with pytest.raises(UserError, match="VLLM_API_KEY"):
         serve_command(tiny_model_path, 8000, host="0.0.0.0")
-    script = tmp_path / "driver.py"
-    script.write_text(API_KEY_DRIVER)
-    p = run(isolated([sys.executable, str(script), tiny_model_path]), timeout=420, VLLM_API_KEY="s3cret",
-            VLLM_HOST_IP="127.0.0.1")
-    out = json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    out = run_driver(API_KEY_DRIVER, tiny_model_path, wrap=isolated, timeout=420, VLLM_API_KEY="s3cret",
+                     VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS=1)
     assert out["rpc_without_key"] == 401 and out["v1_without_key"] == 401, out
     assert out["metrics"]["rollout/logprob_max_abs_diff"] < 1e-3, out
     assert f"vLLM server {out['url']}/v1/completions unreachable after 4 attempts" in out["killed"], out

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, env, launch_cmd, load_weights, metrics, run
+from helpers import REPO, env, launch_cmd, load_weights, metrics, run, run_driver
 
 PROBE_TEXTS = ["hello there", "tell me something kind", "what is the weather", "a friendly word please"]
 ENGINE = dict(dtype="float32", max_num_seqs=16, max_model_len=256, kv_cache_gib=1)
@@ -102,14 +102,10 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-def test_colocated_sync_matches_trainer_tied(tiny_tied_path, tmp_path):
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(tests=str(Path(__file__).parent), path=tiny_tied_path))
+def test_colocated_sync_matches_trainer_tied(tiny_tied_path):
     t0 = time.time()
-    p = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env(VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS=2),
-                       capture_output=True, text=True, timeout=400, start_new_session=True)
-    assert p.returncode == 0, p.stderr[-4000:]
-    out = json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    out = run_driver(DRIVER.format(tests=str(Path(__file__).parent), path=tiny_tied_path), timeout=400,
+                     VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS=2)
     print(f"colocated tied {time.time() - t0:.1f}s: {out}")
     assert out["sync"]["before"] < 1e-4, out
     assert_synced(out["sync"])
