@@ -168,8 +168,11 @@ def steps_indices(n: int, steps: range, per_step: int, seed: int) -> list[int]:
 
 
 def destroy() -> None:
-    """Tear the process group down at exit (gloo otherwise warns or hangs on interpreter shutdown)."""
+    """Tear the process group down at exit (gloo otherwise warns or hangs on interpreter shutdown), all ranks together:
+    a rank that tore down and exited while another still used the group was seen to abort ("terminate called without
+    an active exception", SIGABRT) and fail the whole launch."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
