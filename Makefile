@@ -58,12 +58,16 @@ DEMO ?= recipes/ppo.py
 demo: install
 	$(PY) $(DEMO) --config recipes/configs/$(basename $(notdir $(DEMO)))_tiny.yaml --output_dir outputs/demo
 
-# Multi-process tests bind to 127.0.0.1 and use gloo over loopback.
+# Multi-process tests bind to 127.0.0.1 and use gloo over loopback. Two pytest-xdist workers (TEST_WORKERS=0: one
+# process): most tests keep one core busy, not two; tests/conftest.py keeps each module, and all the vLLM tests, on one
+# worker.
+TEST_WORKERS ?= 2
+PYTEST := GLOO_SOCKET_IFNAME=lo $(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
 test: install
-	GLOO_SOCKET_IFNAME=lo $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(PYTEST) $(PYTEST_ARGS) tests
 
 test-fast: install
-	GLOO_SOCKET_IFNAME=lo $(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS) tests
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS) tests
 
 lint: install
 	$(VENV)/bin/ruff check verl_kit recipes tests bench

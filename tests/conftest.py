@@ -91,6 +91,19 @@ def vllm_server(tiny_model_path):
     return SHARED.get(tiny_model_path)
 
 
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`), a work unit at a time: each
+    test module is one unit (its module fixtures are made once; a module that sets `XDIST_UNIT = "test"` has none
+    worth sharing and is split test by test), except that every test marked `vllm` (it starts a vLLM engine or server)
+    or using the shared server is in one unit, `vllm`, run by one worker, one test after the other: a CPU engine
+    computes on the same core whichever test starts it, and the shared server is started once."""
+    for item in items:
+        if item.get_closest_marker("vllm") or "vllm_server" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("vllm"))
+        elif getattr(item.module, "XDIST_UNIT", "module") == "module":
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 def pytest_runtest_teardown(item, nextitem):
     if SERVER_USERS and item is SERVER_USERS[-1]:
         SHARED.stop()

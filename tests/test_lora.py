@@ -1,5 +1,5 @@
 """LoRA (`--use_peft`, peft): the adapter merged into the weights the rollout engines get, the base model as the
-reference, every recipe in one process and ZeRO-3 x2, exports peft and vLLM load, SIGKILL + resume bit-identical,
+reference, every recipe in one process or ZeRO-3 x2, exports peft loads (and merged), SIGKILL + resume bit-identical,
 vLLM weight sync at the fp32 bound on a tied model, GRPO with LoRA learning the embedded task, and bad input as one
 line."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_resume_bit_identical, launch_cmd, metrics, recipe_cmd, run, run_driver
+from helpers import assert_resume_bit_identical, launch_cmd, metrics, recipe_cmd, run
 
 from verl_kit.config import TrainConfig, parse_args
 from verl_kit.errors import UserError
@@ -155,12 +155,12 @@ def assert_adapter_export(final: Path, classifier: bool = False):
     assert float((out[1] - out[2]).abs().max()) > 1e-6  # the adapter was trained (and exported)
 
 
-# Every recipe in one process and under ZeRO-3 x2, each pair once: DPO's in test_dpo_lora_zero3_matches_one_process_
-# and_learns (both), GRPO's one process in test_grpo_lora_learns_embedded_task; SFT and KTO under ZeRO-3 share DPO's
-# path (verl_kit.models.lora, train.Trainable, models.export_hf) and run here in one process; the reward model (score
-# head), PPO (critic adapter and value head) and GRPO (rollouts from the gathered, merged adapter) under ZeRO-3 too.
-EVERY_RECIPE = [("sft.py", 1), ("kto.py", 1), ("reward_model.py", 1), ("ppo.py", 1), ("reward_model.py", 2),
-                ("ppo.py", 2), ("grpo.py", 2)]
+# Every recipe once: DPO's in one process and under ZeRO-3 x2 in test_dpo_lora_zero3_matches_one_process_and_learns,
+# GRPO's one process in test_grpo_lora_learns_embedded_task; SFT and KTO under ZeRO-3 share DPO's path
+# (verl_kit.models.lora, train.Trainable, models.export_hf) and run here in one process; the reward model (score head),
+# PPO (critic adapter and value head) and GRPO (rollouts from the gathered, merged adapter) under ZeRO-3 x2 only: their
+# one-process path is the ZeRO-3 one without the gathers.
+EVERY_RECIPE = [("sft.py", 1), ("kto.py", 1), ("reward_model.py", 2), ("ppo.py", 2), ("grpo.py", 2)]
 
 
 @pytest.mark.slow
@@ -277,35 +277,14 @@ def test_lora_sigkill_then_resume_is_bit_identical(procs, tmp_path, tiny_tied_pa
 
 # ---- vLLM: the engine follows the adapter after every sync, and loads the merged export ---------------------------
 
-VLLM_DRIVER = r'''
-import json, sys
-from verl_kit.models import load_tokenizer
-from verl_kit.rollout import VLLMColocated
-from verl_kit.rollout import trainer_logprobs, max_abs_diff
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
-import torch
-
-if __name__ == "__main__":
-    final = sys.argv[1]
-    base = json.load(open(final + "/adapter_config.json"))["base_model_name_or_path"]
-    tok = load_tokenizer(final + "/merged")
-    seqs = [tok("Tell me about the sea. It is", add_special_tokens=False).input_ids, list(range(5, 40))]
-    engine = VLLMColocated(final + "/merged", tok, dtype="float32", kv_cache_gib=1, max_num_seqs=8,
-                           probe_prompts=seqs, probe_threshold=float("inf"))
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), final)
-    diff = max_abs_diff(engine.score(seqs), trainer_logprobs(adapted.eval(), seqs))
-    engine.close()
-    print("RESULT " + json.dumps({"diff": diff}), flush=True)
-'''
-
-
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_grpo_lora_vllm_sync_on_tied_model(tiny_tied_path, tmp_path):
     """GRPO with an adapter on a tied-embedding model, a high learning rate, a colocated engine: after every sync the
-    engine's log-probs match the trainer's (adapter enabled) within the fp32 bound while the trainer moves; vLLM loads
-    final/merged and scores like peft's adapter on the base. (The adapter is merged before the transport, so the
-    server's transport adds nothing here: it is tested on the tied model in test_weight_sync.)"""
+    engine's log-probs match the trainer's (adapter enabled) within the fp32 bound while the trainer moves. (The
+    adapter is merged before the transport, so the server's transport adds nothing here: it is tested on the tied
+    model in test_weight_sync. final/merged is a plain HF directory that scores like peft's adapter on the base:
+    assert_adapter_export.)"""
     model, rollout = tiny_tied_path, "vllm"
     out = tmp_path / "run"
     t0 = time.time()
@@ -319,5 +298,4 @@ def test_grpo_lora_vllm_sync_on_tied_model(tiny_tied_path, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 for r in rows), rows
     assert all(r["rollout/probe_trainer_moved"] > 1e-2 for r in rows), rows  # the adapter moved the policy
-    result = run_driver(VLLM_DRIVER, str(out / "final"), timeout=300, VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS=2)
-    assert result["diff"] < 1e-3, result
+    assert_adapter_export(out / "final")

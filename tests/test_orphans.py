@@ -133,6 +133,7 @@ def test_guard_stops_what_it_was_told_about_and_nothing_else(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_colocated_engine_dies_with_its_trainer(tmp_path):
     """GRPO on the tiny model with `--rollout vllm`, SIGKILLed during its second step (after a weight sync into the
     slots): the engine core, its worker, multiprocessing's resource tracker and the guard are gone within BOUND_S

@@ -1,13 +1,14 @@
 """GRPO on the packaged real model (SmolLM2-135M-Instruct: tied embeddings, GQA, pad == EOS) with vLLM rollouts, at a
 high learning rate so every update moves the policy: the probe (engine log-probs against the trainer's, after every
-sync) stays within the fp32 bound and the engine follows each update, with the colocated engine and with a server the
-run starts itself. Before the tied-embedding fix this model gave 0.07-0.13 after the first update. (A LoRA adapter
-merged into the synced weights of a tied model: test_lora.test_grpo_lora_vllm_sync_on_tied_model.)"""
+sync) stays within the fp32 bound and the engine follows each update, with the colocated engine. Before the
+tied-embedding fix this model gave 0.07-0.13 after the first update. (The server's transport of a tied model:
+test_weight_sync.test_server_sync_matches_trainer_tied; a LoRA adapter merged into the synced weights of a tied model:
+test_lora.test_grpo_lora_vllm_sync_on_tied_model.)"""
 
 import pytest
 from helpers import metrics, recipe_cmd, run
 
-pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.vllm]
 
 ARGS = ["--model_name_or_path", "smollm2-135m", "--max_steps", "2", "--prompts_per_step", "4",
         "--num_generations", "2", "--max_completion_length", "8", "--learning_rate", "1e-4", "--beta", "0",
@@ -16,15 +17,14 @@ ARGS = ["--model_name_or_path", "smollm2-135m", "--max_steps", "2", "--prompts_p
         "--vllm_probe_size", "2"]
 
 
-@pytest.mark.parametrize("rollout", ["vllm", "vllm-server"])
-def test_grpo_real_model_probe_after_every_sync(tmp_path, rollout, smollm2_path):
+def test_grpo_real_model_probe_after_every_sync(tmp_path, smollm2_path):
     reward = tmp_path / "reward.py"  # a reward that differs within every group, so every update has a gradient
     reward.write_text("def longer(prompts, completions):\n    return [len(c) / 40 for c in completions]\n")
     out = tmp_path / "run"
-    run(recipe_cmd("grpo.py", ["--rollout", rollout, "--output_dir", str(out), "--reward_fn", f"{reward}:longer",
+    run(recipe_cmd("grpo.py", ["--rollout", "vllm", "--output_dir", str(out), "--reward_fn", f"{reward}:longer",
                                *ARGS]), timeout=480, VLLM_HOST_IP="127.0.0.1")
     rows = [r for r in metrics(out) if "reward/mean" in r]
-    print(rollout, [(r["rollout/logprob_max_abs_diff"], r["rollout/probe_trainer_moved"]) for r in rows])
+    print([(r["rollout/logprob_max_abs_diff"], r["rollout/probe_trainer_moved"]) for r in rows])
     assert [r["step"] for r in rows] == [1, 2]  # two updates, two syncs, each probed
     for r in rows:
         assert r["rollout/logprob_max_abs_diff"] < 1e-3, r  # the fp32 bound (default for an fp32 engine)

@@ -31,6 +31,9 @@ def recipe_config(recipe: str) -> type:
     return cls
 
 
+XDIST_UNIT = "test"  # the one module fixture, `smoke`, is a recipe's run shared by at most two tests
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """One 2-step run per recipe, made when a test first asks for it: recipe -> (output_dir, wandb dir, stderr)."""

@@ -144,6 +144,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_colocated_generate_sync_probe():
     t0 = time.time()
     out = run_driver(DRIVER.format(tests=str(Path(__file__).parent)), timeout=420, VLLM_HOST_IP="127.0.0.1")
@@ -181,6 +182,7 @@ def client(vllm_server, tokenizer, tiny_model_path):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_server_generate(client, tokenizer, tiny_model_path):
     from verl_kit.rollout import SamplingParams
 
@@ -208,6 +210,7 @@ def test_server_generate(client, tokenizer, tiny_model_path):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_server_sync_matches_trained_policy(client, tokenizer, tiny_model_path):
     from verl_kit.rollout import SamplingParams
 
@@ -237,6 +240,7 @@ PPO_VLLM_STEPS = 14
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_ppo_learns_with_colocated_vllm(tmp_path):
     """The recipe end to end on the embedded task with a colocated engine: rollouts from vLLM, a sync after every
     update, the probe logged and small (fp32 engine and trainer), and it learns as with HF rollouts (test_ppo): the
@@ -259,6 +263,7 @@ def test_ppo_learns_with_colocated_vllm(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_ppo_runs_against_the_shared_server(vllm_server, tmp_path):
     """`--vllm_server_url`: the run syncs into a server it did not start (a run without the URL starts its own
     through the same ServerProcess: test_server_started_by_a_run_dies_with_it)."""
@@ -277,6 +282,7 @@ def test_ppo_runs_against_the_shared_server(vllm_server, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_server_started_by_a_run_dies_with_it(tmp_path):
     """A run with `--rollout vllm-server` and no URL starts its own server. SIGKILL the run after its first step (its
     atexit never runs): the parent-death signal stops the server, and no process of the server's group is left
@@ -371,6 +377,7 @@ print("RESULT " + json.dumps(out), flush=True)
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_owned_server_needs_an_api_key_beyond_loopback_and_fails_fast_when_killed(tiny_model_path, monkeypatch):
     """A kit server on a non-loopback host: refused without VLLM_API_KEY; with it, the weight-sync endpoint (which
     vLLM's own --api-key leaves open) and /v1 answer 401 without the key, and the kit's client, which sends it, syncs.

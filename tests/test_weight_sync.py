@@ -102,6 +102,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_colocated_sync_matches_trainer_tied(tiny_tied_path):
     t0 = time.time()
     out = run_driver(DRIVER.format(tests=str(Path(__file__).parent), path=tiny_tied_path), timeout=400,
@@ -113,6 +114,7 @@ def test_colocated_sync_matches_trainer_tied(tiny_tied_path):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_server_sync_matches_trainer_tied(tiny_tied_path):
     from verl_kit.models import load_causal_lm, load_tokenizer
     from verl_kit.rollout import ServerProcess, VLLMServer
@@ -132,6 +134,7 @@ def test_server_sync_matches_trainer_tied(tiny_tied_path):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_same_host_transport(vllm_server, tiny_model_path, tmp_path, monkeypatch):
     """A server on a loopback URL gets the buckets through the kit's shm folder (only the slots' references cross the
     HTTP RPC): the sync is exact like the inline one (~1e-6); the next sync writes the same slot files again (fresh
@@ -228,6 +231,7 @@ def slot_mappings(pid: int) -> set[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_grpo_zero3_tied_model_with_vllm(tiny_tied_path, tmp_path):
     """2 processes, ZeRO-3 (the tied embedding is one sharded parameter), a colocated engine in each, a high learning
     rate: every sync's probe (logged as rollout/logprob_max_abs_diff) stays below 1e-3; the run stops (the backend's
