@@ -56,8 +56,9 @@ def run(cmd: list[str], timeout: float = 300, check: bool = True, **env_extra) -
     return p
 
 
-def run_until(cmd: list[str], done, timeout: float = 300, **env_extra) -> None:
-    """Start `cmd`, wait until `done()` is true, then SIGKILL its whole process group (a crash, not a shutdown)."""
+def run_until(cmd: list[str], done, timeout: float = 300, kill=None, **env_extra) -> None:
+    """Start `cmd`, wait until `done()` is true, then SIGKILL its whole process group (a crash, not a shutdown), or
+    call `kill(proc)` to kill it some other way (what is left of the group is SIGKILLed after)."""
     p = subprocess.Popen(cmd, cwd=REPO, env=env(OMP_NUM_THREADS=1, **env_extra), stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + timeout
@@ -68,10 +69,89 @@ def run_until(cmd: list[str], done, timeout: float = 300, **env_extra) -> None:
             if time.time() > deadline:
                 raise AssertionError("timed out waiting for the condition")
             time.sleep(0.02)
+        if kill is not None:
+            kill(p)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        if p.poll() is None or kill is not None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         p.wait()
+
+
+# ---- a trainer SIGKILLed alone leaves nothing behind (verl_kit.rollout.vllm_server.OrphanGuard) --------------------
+
+ORPHAN_BOUND_S = 10.0
+
+
+def alive(procs) -> list:
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def mappers(paths: set[str]) -> dict[int, set[str]]:
+    """pid -> which of `paths` it maps, over every process of this host we may read."""
+    import psutil
+
+    found = {}
+    for p in psutil.process_iter():
+        try:
+            with open(f"/proc/{p.pid}/maps") as f:
+                hit = {line.split(maxsplit=5)[5].strip().removesuffix(" (deleted)") for line in f
+                       if len(line.split(maxsplit=5)) == 6} & paths
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if hit:
+            found[p.pid] = hit
+    return found
+
+
+def sigkill_alone_leaves_nothing(trainer: subprocess.Popen) -> float:
+    """SIGKILL the training process alone (an OOM kill, `kill -9 PID`: its process group and every process it started
+    live on, no atexit or finalizer runs), then assert that within ORPHAN_BOUND_S no process it had under it (by
+    parent chain, collected just before the kill: a colocated engine's core and worker) remains, nothing maps the
+    run's weight-sync slots, and the slots and vLLM's own shared-memory queues are removed. -> seconds until the last
+    process was gone."""
+    import psutil
+
+    from verl_kit.rollout import weight_sync
+
+    tree = psutil.Process(trainer.pid).children(recursive=True)
+    slots = {os.path.join(weight_sync.shm_dir(), n) for n in os.listdir(weight_sync.shm_dir())
+             if n.startswith(f"{trainer.pid}-")}
+    engine_maps = set().union(*mappers(slots).values())
+    assert len(tree) >= 2 and slots and engine_maps, (tree, slots, engine_maps)  # the engine core, its worker
+    queues = set()  # vLLM's own shared memory (its message queues), unlinked by multiprocessing's resource tracker
+    for p in alive(tree):
+        with open(f"/proc/{p.pid}/maps") as f:
+            queues |= {line.split(maxsplit=5)[5].strip().removesuffix(" (deleted)") for line in f
+                       if "/dev/shm/psm_" in line}
+    os.kill(trainer.pid, signal.SIGKILL)  # the trainer only: its group lives on
+    t0 = time.time()
+    trainer.wait()
+    try:
+        while alive(tree) and time.time() - t0 < ORPHAN_BOUND_S:
+            time.sleep(0.05)
+        took = time.time() - t0
+        left = [(p.pid, p.name()) for p in alive(tree)]
+        print(f"SIGKILL of the trainer -> last of its {len(tree)} processes gone: {took:.2f}s; left: {left}")
+        assert not left, f"left behind {took:.0f}s after the trainer's SIGKILL: {left}"
+        assert not mappers(slots), mappers(slots)
+        assert not [s for s in slots if os.path.exists(s)]
+        assert queues and not [q for q in queues if os.path.exists(q)], queues
+        return took
+    finally:
+        for p in alive(tree):  # what the guard did not stop
+            p.kill()
 
 
 def run_driver(source: str, *args: str, timeout: float = 300, wrap=None, **env_extra) -> dict:
@@ -120,10 +200,11 @@ def numbers(output_dir, ignore: tuple[str, ...] = ()) -> dict[int, dict]:
 
 def assert_resume_bit_identical(cmd, a, b, checkpoint: int, *, run_a: bool = True, weights: str = "model.safetensors",
                                 compare_steps=(), ignore: tuple[str, ...] = (), before_resume=None,
-                                timeout: float = 300, **env_extra) -> None:
+                                kill=None, timeout: float = 300, **env_extra) -> None:
     """`cmd(output_dir, *extra)` -> argv of one training run. Run A (already run when run_a is False) goes straight to
     the end; run B is SIGKILLed (its whole process group, a crash) once checkpoint-`checkpoint` is complete, must not
-    have finished, and is resumed with `--resume_from_checkpoint auto` (after `before_resume(b)`, if given). Then:
+    have finished (or killed by `kill(proc)`, as run_until), and is resumed with `--resume_from_checkpoint auto`
+    (after `before_resume(b)`, if given). Then:
     B's final `weights` equal A's bit for bit; metrics.jsonl of B reads as one run (rows in step order, no step logged
     twice with the same metrics, the same last step as A); and every metric of `compare_steps` but the wall-clock ones
     and `ignore` equals A's."""
@@ -134,7 +215,7 @@ def assert_resume_bit_identical(cmd, a, b, checkpoint: int, *, run_a: bool = Tru
     if run_a:
         run(cmd(a), timeout=timeout, **env_extra)
     run_until(cmd(b), lambda: (b / f"checkpoint-{checkpoint}" / "trainer_state.json").is_file(), timeout=timeout,
-              **env_extra)
+              kill=kill, **env_extra)
     assert not (b / "final").exists(), "the run finished before it was killed"
     if before_resume is not None:
         before_resume(b)
