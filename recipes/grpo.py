@@ -220,7 +220,7 @@ def main():
                    "kl": t["kl"] / t["tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    "grad_norm": sum(grad_norms) / len(grad_norms), "learning_rate": actor.learning_rate,
-                   "rollout/staleness": staleness, **step_metrics(t),
+                   "rollout/staleness": staleness, **step_metrics(t), **reward.metrics(),
                    **timer.seconds, **sync_metrics}
         log.advance(reward=metrics["reward/mean"])
         do_eval = test.ids and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)

@@ -3,6 +3,7 @@ reward model."""
 
 from verl_kit.rewards.combined import RewardModel, Rewards, load_reward_model, make_rewards, weighted_sum
 from verl_kit.rewards.functions import (
+    CallLimits,
     MATH_TIMEOUT_S,
     RESERVED,
     SoftOverlongPunishment,
