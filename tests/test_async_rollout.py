@@ -42,7 +42,7 @@ class RecordingEngine:
         pass
 
 
-def request(step):
+def request(step, k=0):
     return [step], [[step]], SamplingParams()
 
 

@@ -109,12 +109,8 @@ def load_checkpoint(accelerator, path: str, model: dict, per_rank=None, run: dic
         if model.get(flag) != value:
             raise UserError(f"--resume_from_checkpoint {path}: saved with --{flag} {value}, this run has --{flag} "
                             f"{model.get(flag)}")
-    changes = run_changes(state.get("run"), run) if run is not None else []
-    if changes and not ignore_changes:
-        raise UserError(f"--resume_from_checkpoint {path}: changed since the checkpoint: {'; '.join(changes)} "
-                        "(resume anyway with --resume_ignore_changes)")
-    if changes:
-        logger.warning("resuming %s with --resume_ignore_changes: %s", path, "; ".join(changes))
+    if run is not None:
+        check_run(path, state.get("run"), run, ignore_changes)
     with _frozen_left_out(accelerator, model.get("use_peft"), loading=path) as kwargs:
         accelerator.load_state(path, **kwargs)
     rank_file = os.path.join(path, f"rank-{accelerator.process_index}.pt")
@@ -217,6 +213,18 @@ def run_changes(saved: dict | None, now: dict) -> list[str]:
     out += [f"--{k} {v} -> {now['flags'].get(k)}" for k, v in saved.get("flags", {}).items()
             if k in now["flags"] and now["flags"][k] != v]
     return out
+
+
+def check_run(path: str, saved: dict | None, now: dict, ignore_changes: bool) -> list[str]:
+    """Refuse, in one line naming what changed and the override, to resume checkpoint `path` (its run_fingerprint
+    `saved`) into a run with another fingerprint `now`; with `ignore_changes`, warn instead. Returns the changes."""
+    changes = run_changes(saved, now)
+    if changes and not ignore_changes:
+        raise UserError(f"--resume_from_checkpoint {path}: changed since the checkpoint: {'; '.join(changes)} "
+                        "(resume anyway with --resume_ignore_changes)")
+    if changes:
+        logger.warning("resuming %s with --resume_ignore_changes: %s", path, "; ".join(changes))
+    return changes
 
 
 def model_flags(cfg: TrainConfig) -> dict:
