@@ -3,9 +3,9 @@ reward model."""
 
 from verl_kit.rewards.combined import RewardModel, Rewards, load_reward_model, make_rewards, weighted_sum
 from verl_kit.rewards.functions import (
-    CallLimits,
     MATH_TIMEOUT_S,
     RESERVED,
+    CallLimits,
     SoftOverlongPunishment,
     boxed_format,
     call_reward_fn,

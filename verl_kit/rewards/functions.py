@@ -339,7 +339,7 @@ def _with_timeout(call, timeout_s: float | None):
 
 
 def _is_async(fn) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def _failed(name: str, limits: CallLimits, what: str, where: str, timed_out: bool) -> float:
