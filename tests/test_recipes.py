@@ -60,6 +60,8 @@ def test_two_steps_end_to_end(recipe, smoke):
     assert any(k.startswith("eval/") for k in by_step[0]) and any(k.startswith("eval/") for k in by_step[2])
     trained = "reward/mean" if recipe in ("ppo.py", "grpo.py") else "loss"
     assert trained in by_step[1] and trained in by_step[2], by_step
+    if recipe in ("ppo.py", "grpo.py"):  # no reward call timed out or raised (none was scored by a fallback)
+        assert by_step[2]["reward/timeouts"] == 0 and by_step[2]["reward/errors"] == 0, by_step[2]
     assert sorted(os.listdir(out / "checkpoint-2"))  # the checkpoint, written atomically
     assert (out / "final" / "model.safetensors").is_file() and (out / "final" / "config.json").is_file()
     assert (out / "final" / "tokenizer_config.json").is_file()

@@ -320,24 +320,27 @@ class PromptEchoEngine:
         pass
 
 
+@pytest.mark.parametrize("ahead", [None, 1])
 @pytest.mark.parametrize("flat,cap,prompts,batches,kept", [
     ({0, 2, 3}, 10, [1, 1, 4, 4], 3, 2),   # batch 0: prompt 1; batch 1: none; batch 2: prompt 4 -> full
     ({0, 2, 3}, 2, [1, 1], 2, 1),          # the cap: 2 batches found 1 of 2 -> trains on that one (and warns)
     ({0, 1, 2, 3}, 2, [0, 0, 1, 1], 2, 0),  # none found: the first batch as it is
 ])
-def test_dynamic_sampling_refills_flat_groups_up_to_the_cap(flat, cap, prompts, batches, kept):
+def test_dynamic_sampling_refills_flat_groups_up_to_the_cap(flat, cap, prompts, batches, kept, ahead):
     """Two prompts per batch (batch k of step 0 asks prompts 2k and 2k + 1), groups of 2; a flat prompt's responses
     both score 1, another's score [0, 1]. The step's batch is refilled with the informative groups in generation
-    order, at most `cap` batches, and the metrics count batches, groups generated and kept."""
+    order, at most `cap` batches, and the metrics count batches, groups generated and kept. The same with the
+    rollout thread generating a step ahead (--async_rollout): the further batches queue behind step 1's."""
     def request(step, k):
         return [2 * k, 2 * k + 1], [[2 * k], [2 * k + 1]], SamplingParams(n=2)
 
     def score(ro):
         return torch.tensor([1.0 if i in flat else float(j % 2) for j, i in enumerate(ro.prompt_index)])
 
-    rollouts = Rollouts(PromptEchoEngine(), request, total_steps=1)
+    rollouts = Rollouts(PromptEchoEngine(), request, total_steps=2, max_staleness=ahead)
     first, _ = rollouts.get(0)
     ro, scores, m = dynamic_sampling(rollouts, 0, first, score(first), score, 2, cap)
+    rollouts.close()
     assert ro.prompt_index == prompts and ro.response_ids.flatten().tolist() == prompts
     torch.testing.assert_close(scores, score(ro))
     assert m == {"rollout/gen_batches": batches, "rollout/groups_generated": 2 * batches, "rollout/groups_kept": kept}
