@@ -17,6 +17,9 @@ column it names or all of them if it takes **kwargs), as TRL does; otherwise the
 `trainer_state`, `log_extra`, `log_metric` and `environments` keys do not exist here. Columns named `prompts`,
 `completions` or `completion_ids` are refused. A wrong count, a non-finite value or an exception is a one-line
 UserError naming the function and the sample (the batch is retried one sample at a time, columns sliced alike).
+`async def` functions are awaited once per sample, concurrently; with CallLimits (the --reward_timeout_s,
+--reward_max_concurrency and --reward_fallback flags) a call that times out or raises scores the fallback instead,
+counted (docs/algorithms.md, "Rewards that cannot stall a run").
 
 Built-in functions: `kind_words` (the embedded task), `math_answer` (1.0 when the completion's final answer equals
 the row's `answer` or `solution` according to HF math-verify), `boxed_format` (1.0 for exactly one non-empty
