@@ -380,10 +380,11 @@ def test_grpo_flag_errors(grpo_recipe, monkeypatch, capsys, argv, expected):
 
 def test_ppo_has_epsilon_high_but_not_grpo_only_flags():
     """A recipe does not accept a flag it ignores: PPO clips (epsilon_high) but has no group estimator, GSPO level,
-    CISPO or truncation masking."""
+    CISPO, truncation masking or dynamic sampling (its groups)."""
     ppo = config_class(load_recipe(REPO / "recipes" / "ppo.py"))
     assert parse_args(ppo, ["--epsilon_high", "0.28"]).epsilon_high == 0.28
-    for flag in ("--advantage_estimator", "--importance_sampling_level", "--mask_truncated_completions"):
+    for flag in ("--advantage_estimator", "--importance_sampling_level", "--mask_truncated_completions",
+                 "--dynamic_sampling", "--max_num_gen_batches"):
         with pytest.raises(UserError, match="unknown flag"):
             parse_args(ppo, [flag, "x"])
 
