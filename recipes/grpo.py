@@ -3,7 +3,7 @@ its score against its group's mean and standard deviation; clipped policy loss w
 penalty in the loss; no critic. Rollouts from HF generate or vLLM, packed token-budget forward passes, ZeRO-3.
 Its variants (docs/algorithms.md): RLOO and REINFORCE++-baseline advantages (--advantage_estimator), clip-higher
 (--epsilon_high), GSPO (--importance_sampling_level sequence), CISPO (--loss_type cispo), truncated responses out of
-the loss (--mask_truncated_completions).
+the loss (--mask_truncated_completions), DAPO's dynamic sampling (--dynamic_sampling).
 
     python recipes/grpo.py                                  # one process, embedded tiny model and task
     python recipes/grpo.py --config recipes/configs/grpo_tiny.yaml
@@ -47,7 +47,7 @@ from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger, Timer, logger
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, reference, resolve_model_path, with_lora
 from verl_kit.rewards import make_rewards
-from verl_kit.rollout import load_prompt_splits, rollout_metrics, sample_rows, start_rollouts
+from verl_kit.rollout import dynamic_sampling, load_prompt_splits, rollout_metrics, sample_rows, start_rollouts
 from verl_kit.train import (
     ResponsePacker,
     Tally,
@@ -93,6 +93,12 @@ class GRPOConfig(OnlineConfig):
     mask_truncated_completions: bool = field(default=False, metadata={
         "help": "responses cut at --max_completion_length (no EOS) add nothing to the loss and are not counted "
                 "in its token or response totals (DAPO); their scores still enter the advantages"})
+    dynamic_sampling: bool = field(default=False, metadata={
+        "help": "DAPO's dynamic sampling: groups whose scores are all equal are dropped and more batches generated "
+                "until the step holds --prompts_per_step informative groups (verl's algorithm.filter_groups.enable)"})
+    max_num_gen_batches: int = field(default=10, metadata={
+        "help": "--dynamic_sampling: generation batches per step at most, the first included; then the step trains "
+                "on the informative groups it found, with a warning (verl's filter_groups.max_num_gen_batches)"})
 
 
 @main_guard
@@ -103,6 +109,8 @@ def main():
     if cfg.loss_type == "cispo" and (cfg.epsilon_high is None or cfg.epsilon_high < 1.0):
         raise UserError(f"--loss_type cispo needs --epsilon_high >= 1 (the cap of the importance weight; ScaleRL "
                         f"uses 5.0), got {cfg.epsilon_high}")
+    if cfg.max_num_gen_batches < 1:
+        raise UserError(f"--max_num_gen_batches {cfg.max_num_gen_batches}: use >= 1 (the step's own batch counts)")
     if cfg.mask_truncated_completions and cfg.ignore_eos:
         raise UserError("--mask_truncated_completions with --ignore_eos would mask every response (none ends in EOS)")
     accelerator = make_accelerator(cfg)
@@ -136,6 +144,9 @@ def main():
                                      total_steps)
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
+    def score(ro):  # sequence scores (B,) of a rollout's responses, each against its dataset row
+        return reward.of_rollout([train.rows[i] for i in ro.prompt_index], ro)
+
     if start == 0 and test.ids:  # held out: --num_generations_eval responses per prompt, same rewards, no KL term
         log.log(0, rollouts.evaluate(accelerator, test, reward.of_rollout, cfg.prompts_per_step // world))
 
@@ -145,12 +156,18 @@ def main():
         # 1. rollout: num_generations responses per prompt, a prompt's group on one process
         with timer("gen"):  # with --async_rollout: the wait for a batch generated during the previous update
             ro, staleness = rollouts.get(step)
-        mask, B = ro.response_mask, ro.response_mask.shape[0]
 
         # 2. rewards and group-relative advantages (B,)
         with timer("reward"):
-            rows = [train.rows[i] for i in ro.prompt_index]  # the dataset row of each response
-            scores = reward.of_rollout(rows, ro)  # sequence scores (B,)
+            scores = score(ro)
+        sampled = {}  # --dynamic_sampling (DAPO): flat groups dropped, further batches generated to fill the step
+        if cfg.dynamic_sampling:
+            with timer("dynamic_sampling"):
+                ro, scores, sampled = dynamic_sampling(rollouts, step, ro, scores, score, cfg.num_generations,
+                                                       cfg.max_num_gen_batches)
+        mask, B = ro.response_mask, ro.response_mask.shape[0]
+        rows = [train.rows[i] for i in ro.prompt_index]  # the dataset row of each response
+        with timer("reward"):
             if cfg.advantage_estimator == "rloo":
                 advantages = rloo_advantages(scores, cfg.num_generations)
             elif cfg.advantage_estimator == "reinforce_plus_plus_baseline":  # whitened over all ranks' tokens
@@ -220,7 +237,7 @@ def main():
                    "kl": t["kl"] / t["tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    "grad_norm": sum(grad_norms) / len(grad_norms), "learning_rate": actor.learning_rate,
-                   "rollout/staleness": staleness, **step_metrics(t),
+                   "rollout/staleness": staleness, **step_metrics(t), **reward.metrics(), **sampled,
                    **timer.seconds, **sync_metrics}
         log.advance(reward=metrics["reward/mean"])
         do_eval = test.ids and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)

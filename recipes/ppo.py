@@ -216,7 +216,7 @@ def main():
                    "critic/explained_var": 1.0 - masked_variance(t, "resid_") / max(masked_variance(t, "ret_"), 1e-8),
                    "critic/grad_norm": sum(grad_norms["critic"]) / len(grad_norms["critic"]),
                    **rollout_metrics(ro, scores, timer.seconds["timing_s/step"]),
-                   "rollout/staleness": staleness, **step_metrics(t),
+                   "rollout/staleness": staleness, **step_metrics(t), **reward.metrics(),
                    "learning_rate": actor.learning_rate, **timer.seconds, **sync_metrics}
         log.advance(reward=metrics["reward/mean"])
         do_eval = test.ids and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)

@@ -50,7 +50,7 @@ class RecordingEngine:
         pass
 
 
-def request(step):
+def request(step, k=0):
     return [step], [[step]], SamplingParams()
 
 

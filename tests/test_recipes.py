@@ -63,6 +63,8 @@ def test_two_steps_end_to_end(recipe, smoke):
     assert any(k.startswith("eval/") for k in by_step[0]) and any(k.startswith("eval/") for k in by_step[2])
     trained = "reward/mean" if recipe in ("ppo.py", "grpo.py") else "loss"
     assert trained in by_step[1] and trained in by_step[2], by_step
+    if recipe in ("ppo.py", "grpo.py"):  # no reward call timed out or raised (none was scored by a fallback)
+        assert by_step[2]["reward/timeouts"] == 0 and by_step[2]["reward/errors"] == 0, by_step[2]
     assert sorted(os.listdir(out / "checkpoint-2"))  # the checkpoint, written atomically
     assert (out / "final" / "model.safetensors").is_file() and (out / "final" / "config.json").is_file()
     assert (out / "final" / "tokenizer_config.json").is_file()
@@ -87,6 +89,56 @@ def test_failed_restart_damages_nothing_saved(smoke, tmp_path):
     assert p.returncode == 2, p.stderr[-2000:]
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == listing
+
+
+def test_resume_refuses_other_data_or_maths(smoke, tmp_path):
+    """Resuming SFT's checkpoint-2 on an edited copy of its data (one reply changed) with another --learning_rate is
+    refused in one line naming both changes and the override, before the checkpoint loads."""
+    from verl_kit.data import TINY_SFT
+
+    out = tmp_path / "run"
+    shutil.copytree(smoke("sft.py")[0], out)
+    data = tmp_path / "data"
+    shutil.copytree(TINY_SFT, data)
+    rows = (data / "train.jsonl").read_text().splitlines()
+    rows[3] = rows[3].replace('."}]}', ' indeed."}]}')
+    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
+    p = run(recipe_cmd("sft.py", ["--output_dir", str(out), *SMOKE, *EXTRA["sft.py"], "--dataset_name", str(data),
+                                  "--learning_rate", "1e-3", "--resume_from_checkpoint", "auto"]), check=False)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and last.startswith(f"error: --resume_from_checkpoint {out / 'checkpoint-2'}: changed "
+                                                 "since the checkpoint: the training data ("), p.stderr[-2000:]
+    assert "--learning_rate 0.0005 -> 0.001" in last and last.endswith("(resume anyway with --resume_ignore_changes)")
+
+
+def test_resume_changes_and_the_override(tmp_path):
+    """run_fingerprint: the train split's rows hash (the same rows under another file name hash the same, an edited
+    row does not) and the maths flags, not the free ones (--output_dir, --logging_steps). check_run refuses a change
+    in one line, warns and goes on with --resume_ignore_changes, ignores a flag the checkpoint did not record (added
+    to the kit since) and a checkpoint saved before fingerprints."""
+    from verl_kit.data import TINY_SFT
+    from verl_kit.train import check_run, run_fingerprint
+
+    sft = recipe_config("sft.py")
+    for name in ("a.jsonl", "b.jsonl", "c.jsonl"):
+        shutil.copy(f"{TINY_SFT}/train.jsonl", tmp_path / name)
+    (tmp_path / "c.jsonl").write_text((tmp_path / "c.jsonl").read_text().replace("splendid", "fine", 1))
+    fp = {n: run_fingerprint(parse_args(sft, ["--dataset_name", str(tmp_path / f"{n}.jsonl")])) for n in "abc"}
+    assert fp["a"]["data"] == fp["b"]["data"] != fp["c"]["data"]
+    free = run_fingerprint(parse_args(sft, ["--dataset_name", str(tmp_path / "a.jsonl"), "--output_dir", "x",
+                                            "--logging_steps", "7"]))
+    assert check_run("ck", fp["a"], free, False) == []
+    other = run_fingerprint(parse_args(sft, ["--dataset_name", str(tmp_path / "c.jsonl"), "--seed", "1"]))
+    with pytest.raises(UserError) as e:
+        check_run("ck", fp["a"], other, False)
+    assert str(e.value).startswith(f"--resume_from_checkpoint ck: changed since the checkpoint: the training data "
+                                   f"({tmp_path / 'a.jsonl'} train rows hash {fp['a']['data']} -> ")
+    assert "; --seed 42 -> 1 (resume anyway with --resume_ignore_changes)" in str(e.value)
+    assert len(check_run("ck", fp["a"], other, True)) == 2
+    older = {**fp["a"], "flags": {k: v for k, v in fp["a"]["flags"].items() if k != "seed"}}
+    assert check_run("ck", older, run_fingerprint(parse_args(sft, ["--dataset_name", str(tmp_path / "a.jsonl"),
+                                                                   "--seed", "1"])), False) == []
+    assert check_run("ck", None, other, False) == []
 
 
 # ---- configs -------------------------------------------------------------------------------------------------------

@@ -212,7 +212,7 @@ def test_per_sample_retry_slices_the_columns():
         return [len(c) / a for c, a in zip(completions, answer)]
 
     with pytest.raises(UserError, match=r"^reward function ratio raised ZeroDivisionError: .* on sample 1 "
-                                        r"\(prompt 'p1', completion 'yy'\)$"):
+                                        r"\(prompt 'p1', completion 'yy'\); pass --reward_fallback"):
         call_reward_fn("ratio", ratio, ["p0", "p1", "p2"], ["x", "yy", "z"], {"answer": [1, 0, 2]})
 
 
@@ -262,3 +262,81 @@ def test_reward_columns_rows_must_agree():
                                         r"\['answer'\]; every row must have the same columns$"):
         reward_columns([{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": 2},
                         {"prompt": "c", "answer": 3, "extra": 0}])
+
+
+# ---- rewards that cannot stall a run: timeouts, exceptions, async functions ----------------------------------------
+
+def test_slow_or_failing_rewards_get_the_fallback_and_are_counted():
+    """--reward_timeout_s 0.2 --reward_fallback -1: a plain function that sleeps 5 s past the timeout gives its whole
+    batch call (3 samples) the fallback, counted as 3 timeouts, after ~0.2 s (its thread sleeps on, abandoned); one
+    that raises on sample 1 gets the fallback there only (the retry sample by sample), counted as 1 error. An
+    `async def` function is awaited per sample: sample 1 sleeps past the timeout, sample 2 raises, so [1, -1, -1]
+    with one more timeout and one more error; with --reward_max_concurrency 2 at most 2 calls are ever in flight."""
+    import asyncio
+    import time
+
+    from verl_kit.rewards import CallLimits
+
+    prompts, completions = ["p0", "p1", "p2"], ["a", "b", "c"]
+    limits = CallLimits(timeout_s=0.2, fallback=-1.0, max_concurrency=2)
+
+    def sleepy(prompts, completions):
+        time.sleep(5)
+        return [1.0] * len(completions)
+
+    t0 = time.monotonic()
+    assert call_reward_fn("sleepy", sleepy, prompts, completions, limits=limits).tolist() == [-1.0, -1.0, -1.0]
+    assert time.monotonic() - t0 < 2 and (limits.timeouts, limits.errors) == (3, 0)
+
+    def raises(prompts, completions):
+        return [1 / 0 if c == "b" else 0.5 for c in completions]
+
+    assert call_reward_fn("raises", raises, prompts, completions, limits=limits).tolist() == [0.5, -1.0, 0.5]
+    assert (limits.timeouts, limits.errors) == (3, 1)
+
+    flight = {"now": 0, "max": 0}
+
+    async def remote(prompts, completions):
+        flight["now"] += 1
+        flight["max"] = max(flight["max"], flight["now"])
+        try:
+            await asyncio.sleep(5 if completions[0] == "b" else 0.05)
+            if completions[0] == "c":
+                raise ConnectionError("verifier down")
+            return [1.0]
+        finally:
+            flight["now"] -= 1
+
+    assert call_reward_fn("remote", remote, prompts, completions, limits=limits).tolist() == [1.0, -1.0, -1.0]
+    assert (limits.timeouts, limits.errors) == (4, 2) and flight == {"now": 0, "max": 2}
+
+
+def test_slow_or_failing_rewards_without_fallback_stop_in_one_line():
+    """No --reward_fallback: the run stops with one line naming the function and the sample (an async function's
+    call is per sample; a plain function's timeout names its batch), and nothing is counted."""
+    import asyncio
+    import time
+
+    from verl_kit.rewards import CallLimits
+
+    prompts, completions = ["p0", "p1"], ["a", "b"]
+    limits = CallLimits(timeout_s=0.2)
+
+    async def remote(prompts, completions):
+        await asyncio.sleep(5 if completions[0] == "b" else 0)
+        return [1.0]
+
+    def sleepy(prompts, completions):
+        time.sleep(5)
+
+    def raises(prompts, completions):
+        raise KeyError("judge")
+
+    for fn, says in ((remote, r"^reward function remote did not return within 0.2 s \(--reward_timeout_s\) on sample "
+                               r"1 \(prompt 'p1', completion 'b'\); pass --reward_fallback <score>"),
+                     (sleepy, r"^reward function sleepy did not return within 0.2 s .* on a batch of 2 samples"),
+                     (raises, r"^reward function raises raised KeyError: 'judge' on sample 0 \(prompt 'p0'")):
+        with pytest.raises(UserError, match=says) as e:
+            call_reward_fn(fn.__name__, fn, prompts, completions, limits=limits)
+        assert "\n" not in str(e.value)
+    assert (limits.timeouts, limits.errors) == (0, 0)

@@ -15,6 +15,8 @@ from verl_kit.algos import (
     cispo_loss,
     clipped_surrogate,
     group_advantages,
+    group_rows,
+    informative_groups,
     loss_weights,
     masked_moments,
     pass_at_k,
@@ -22,6 +24,7 @@ from verl_kit.algos import (
     policy_loss,
     reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
+    select_groups,
     sequence_log_ratio,
     surrogate_clipped,
 )
@@ -29,6 +32,7 @@ from verl_kit.config import parse_args
 from verl_kit.config_reference import config_class, load_recipe
 from verl_kit.errors import UserError
 from verl_kit.rewards.functions import call_reward_fn, get_soft_overlong_punishment, soft_overlong_punishment
+from verl_kit.rollout import Rollout, Rollouts, SamplingParams, dynamic_sampling
 
 TINY = "recipes/configs/grpo_tiny.yaml"
 
@@ -278,6 +282,70 @@ def test_pass_at_k_by_hand():
 # ---- flags ---------------------------------------------------------------------------------------------------------
 
 
+# ---- dynamic sampling (DAPO) ---------------------------------------------------------------------------------------
+
+
+def test_informative_groups_and_selection_by_hand():
+    """Groups of 2 (float64): [1, 1] flat; [0, 1] informative; [0.5, 0.5 + 1e-12] informative (exact equality: the
+    difference is tiny but real, and the advantages use it); [0.0, -0.0] flat (equal numbers); [3, 3] flat.
+    Selection from informative = [F, T, T, F, F] for a step of target 2: take 2 -> groups [1, 2], rows [2, 3, 4, 5];
+    take 1 (the fewest any process found) -> [1]; take 0 (some process found none) -> the first batch's groups
+    [0, 1] as they are."""
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5 + 1e-12, 0.0, -0.0, 3.0, 3.0], dtype=torch.float64)
+    informative = informative_groups(scores, 2)
+    assert informative.tolist() == [False, True, True, False, False]
+    assert select_groups(informative, 2, 2).tolist() == [1, 2]
+    assert group_rows(select_groups(informative, 2, 2), 2).tolist() == [2, 3, 4, 5]
+    assert select_groups(informative, 2, 1).tolist() == [1]
+    assert select_groups(informative, 2, 0).tolist() == [0, 1]
+    with pytest.raises(ValueError, match="only 2 informative"):
+        select_groups(informative, 3, 3)
+
+
+class PromptEchoEngine:
+    """Answers prompt [i] with n responses of the one token i: the scores below then follow the prompt."""
+
+    per_sample_seeds = False
+
+    def generate(self, prompts, params):
+        B = len(prompts) * params.n
+        ids = torch.tensor([[p[0]] for p in prompts for _ in range(params.n)])
+        return Rollout([p for p in prompts for _ in range(params.n)], ids, torch.ones(B, 1, dtype=torch.bool),
+                       torch.zeros(B, 1), torch.zeros(B, dtype=torch.bool))
+
+    def load_weights(self, actor, version=0):
+        return {}
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("ahead", [None, 1])
+@pytest.mark.parametrize("flat,cap,prompts,batches,kept", [
+    ({0, 2, 3}, 10, [1, 1, 4, 4], 3, 2),   # batch 0: prompt 1; batch 1: none; batch 2: prompt 4 -> full
+    ({0, 2, 3}, 2, [1, 1], 2, 1),          # the cap: 2 batches found 1 of 2 -> trains on that one (and warns)
+    ({0, 1, 2, 3}, 2, [0, 0, 1, 1], 2, 0),  # none found: the first batch as it is
+])
+def test_dynamic_sampling_refills_flat_groups_up_to_the_cap(flat, cap, prompts, batches, kept, ahead):
+    """Two prompts per batch (batch k of step 0 asks prompts 2k and 2k + 1), groups of 2; a flat prompt's responses
+    both score 1, another's score [0, 1]. The step's batch is refilled with the informative groups in generation
+    order, at most `cap` batches, and the metrics count batches, groups generated and kept. The same with the
+    rollout thread generating a step ahead (--async_rollout): the further batches queue behind step 1's."""
+    def request(step, k):
+        return [2 * k, 2 * k + 1], [[2 * k], [2 * k + 1]], SamplingParams(n=2)
+
+    def score(ro):
+        return torch.tensor([1.0 if i in flat else float(j % 2) for j, i in enumerate(ro.prompt_index)])
+
+    rollouts = Rollouts(PromptEchoEngine(), request, total_steps=2, max_staleness=ahead)
+    first, _ = rollouts.get(0)
+    ro, scores, m = dynamic_sampling(rollouts, 0, first, score(first), score, 2, cap)
+    rollouts.close()
+    assert ro.prompt_index == prompts and ro.response_ids.flatten().tolist() == prompts
+    torch.testing.assert_close(scores, score(ro))
+    assert m == {"rollout/gen_batches": batches, "rollout/groups_generated": 2 * batches, "rollout/groups_kept": kept}
+
+
 @pytest.fixture(scope="module")
 def grpo_recipe():
     return load_recipe(REPO / "recipes" / "grpo.py")
@@ -286,6 +354,7 @@ def grpo_recipe():
 @pytest.mark.parametrize("argv,expected", [
     (["--epsilon_high", "0.1"], "--epsilon_high 0.1 is below --cliprange 0.2"),
     (["--num_generations_eval", "0"], "--num_generations_eval 0: use >= 1"),
+    (["--reward_timeout_s", "0"], "--reward_timeout_s 0.0: use > 0"),
 ])
 def test_online_flag_errors(grpo_recipe, argv, expected):
     cfg = parse_args(config_class(grpo_recipe), argv)
@@ -299,6 +368,7 @@ def test_online_flag_errors(grpo_recipe, argv, expected):
     (["--mask_truncated_completions", "--ignore_eos"], "--mask_truncated_completions with --ignore_eos"),
     (["--advantage_estimator", "reinforce"], "--advantage_estimator: 'reinforce' is not one of grpo, rloo"),
     (["--importance_sampling_level", "seq"], "--importance_sampling_level: 'seq' is not one of token, sequence"),
+    (["--dynamic_sampling", "--max_num_gen_batches", "0"], "--max_num_gen_batches 0: use >= 1"),
 ])
 def test_grpo_flag_errors(grpo_recipe, monkeypatch, capsys, argv, expected):
     """The recipe refuses these in one line (exit 2) before it builds anything."""
@@ -310,10 +380,11 @@ def test_grpo_flag_errors(grpo_recipe, monkeypatch, capsys, argv, expected):
 
 def test_ppo_has_epsilon_high_but_not_grpo_only_flags():
     """A recipe does not accept a flag it ignores: PPO clips (epsilon_high) but has no group estimator, GSPO level,
-    CISPO or truncation masking."""
+    CISPO, truncation masking or dynamic sampling (its groups)."""
     ppo = config_class(load_recipe(REPO / "recipes" / "ppo.py"))
     assert parse_args(ppo, ["--epsilon_high", "0.28"]).epsilon_high == 0.28
-    for flag in ("--advantage_estimator", "--importance_sampling_level", "--mask_truncated_completions"):
+    for flag in ("--advantage_estimator", "--importance_sampling_level", "--mask_truncated_completions",
+                 "--dynamic_sampling", "--max_num_gen_batches"):
         with pytest.raises(UserError, match="unknown flag"):
             parse_args(ppo, [flag, "x"])
 

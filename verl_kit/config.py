@@ -64,6 +64,9 @@ class TrainConfig:
     save_total_limit: int = field(default=2, metadata={"help": "keep the last K checkpoints"})
     resume_from_checkpoint: str | None = field(default=None, metadata={
         "help": "'auto' (latest complete checkpoint in output_dir, if any) or a checkpoint path"})
+    resume_ignore_changes: bool = field(default=False, metadata={
+        "help": "resume although the training data or a flag that changes the maths differs from the checkpoint's "
+                "(refused by default; docs/checkpoints.md)"})
     report_to: str = field(default="none", metadata={"help": "none, wandb or tensorboard"})
     run_name: str | None = field(default=None, metadata={"help": "tracker run name"})
     collective_timeout_s: int = field(default=1800, metadata={"help": "timeout for every collective (seconds)"})
@@ -144,6 +147,15 @@ class OnlineConfig(TrainConfig, RolloutConfig):
     reward_weights: str | None = field(default=None, metadata={
         "help": "comma-separated weights, one per reward_fn then the reward model; default all 1"})
     missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of responses without EOS"})
+    reward_timeout_s: float | None = field(default=None, metadata={
+        "help": "seconds a reward function call may take (a plain function's batch call, an async one's per-sample "
+                "call); unset: no limit, plain functions run on the main thread (math_answer's own per-expression "
+                "limits need it)"})
+    reward_max_concurrency: int = field(default=16, metadata={
+        "help": "`async def` reward functions: calls in flight at once (one per sample)"})
+    reward_fallback: float | None = field(default=None, metadata={
+        "help": "the score of a response whose reward call timed out or raised, counted in reward/timeouts and "
+                "reward/errors; unset: the run stops with one line naming the function and the sample"})
     old_logprobs: str = field(default="recompute", metadata={
         "help": "recompute: an actor forward before the update; rollout: the sampling log-probs (as TRL's PPOTrainer)"
                 "; only used when a rollout is updated on more than once"})
@@ -201,6 +213,12 @@ class OnlineConfig(TrainConfig, RolloutConfig):
         if self.epsilon_high is not None and self.epsilon_high < self.cliprange:
             raise UserError(f"--epsilon_high {self.epsilon_high} is below --cliprange {self.cliprange}: clip-higher "
                             "widens the upper side only; leave it unset for a symmetric range")
+        if self.reward_timeout_s is not None and self.reward_timeout_s <= 0:
+            raise UserError(f"--reward_timeout_s {self.reward_timeout_s}: use > 0, or leave it unset for no limit")
+        if self.reward_fallback is not None and self.reward_fallback != self.reward_fallback:
+            raise UserError("--reward_fallback nan: use a finite score")
+        if self.reward_max_concurrency < 1:
+            raise UserError(f"--reward_max_concurrency {self.reward_max_concurrency}: use >= 1")
         if self.num_generations_eval < 1:
             raise UserError(f"--num_generations_eval {self.num_generations_eval}: use >= 1")
         if self.prompts_per_step % world:

@@ -1,5 +1,6 @@
 """Pure maths, tensors in and out (imports only torch): advantages and KL estimators, preference losses (DPO,
-IPO, KTO, Bradley-Terry), policy and value losses with their reductions, off-policy importance weights, pass@k."""
+IPO, KTO, Bradley-Terry), policy and value losses with their reductions, off-policy importance weights, pass@k, the
+groups dynamic sampling keeps."""
 
 from verl_kit.algos.advantages import (
     AdaptiveKLController,
@@ -38,3 +39,4 @@ from verl_kit.algos.preference import (
     kto_loss,
 )
 from verl_kit.algos.reduction import global_mean_share, loss_weights
+from verl_kit.algos.sampling import group_rows, informative_groups, select_groups

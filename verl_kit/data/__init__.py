@@ -8,6 +8,7 @@ from verl_kit.data.datasets import (
     load_splits,
     mismatched_partners,
     preference_examples,
+    split_fingerprint,
     unpaired_examples,
 )
 from verl_kit.data.packing import (

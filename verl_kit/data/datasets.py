@@ -71,6 +71,25 @@ def load_splits(cfg: TrainConfig) -> tuple:
     return train, test or None
 
 
+_FINGERPRINTS: dict = {}
+
+
+def split_fingerprint(name: str, split: str, config: str | None = None) -> str:
+    """A content hash of one loaded split (load_split): sha256 over its rows as sorted-key JSON, in order, first 16
+    hex digits. Two runs that read the same rows in the same order get the same value whatever the file is called;
+    an edited, added or removed row changes it. Computed once per process and split."""
+    import hashlib
+    import json
+
+    key = (name, split, config)
+    if key not in _FINGERPRINTS:
+        h = hashlib.sha256()
+        for batch in load_split(name, split, config).iter(batch_size=1000):
+            h.update(json.dumps(batch, sort_keys=True, default=str).encode())
+        _FINGERPRINTS[key] = h.hexdigest()[:16]
+    return _FINGERPRINTS[key]
+
+
 def _is_messages(value) -> bool:
     return isinstance(value, list) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)

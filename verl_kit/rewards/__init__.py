@@ -5,6 +5,7 @@ from verl_kit.rewards.combined import RewardModel, Rewards, load_reward_model, m
 from verl_kit.rewards.functions import (
     MATH_TIMEOUT_S,
     RESERVED,
+    CallLimits,
     SoftOverlongPunishment,
     boxed_format,
     call_reward_fn,

@@ -10,7 +10,7 @@ from verl_kit.algos.advantages import truncation_penalty
 from verl_kit.config import OnlineConfig
 from verl_kit.errors import UserError
 from verl_kit.models.loading import resolve_model_path
-from verl_kit.rewards.functions import call_reward_fn, load_reward_fn, reward_columns
+from verl_kit.rewards.functions import CallLimits, call_reward_fn, load_reward_fn, reward_columns
 from verl_kit.train.trainable import frozen
 
 
@@ -22,11 +22,13 @@ def weighted_sum(scores: list[torch.Tensor], weights: list[float]) -> torch.Tens
 class Rewards:
     """The run's sequence score: the reward functions (`specs`, comma-separated) and the optional reward model,
     weighted (`weights`, comma-separated, in that order; default all 1) and summed, plus `missing_eos_penalty` for
-    responses cut at max length. Bad weights are a one-line UserError naming the flags."""
+    responses cut at max length. Bad weights are a one-line UserError naming the flags. `limits`: the reward
+    functions' timeout, concurrency and fallback (CallLimits), and their counts (metrics())."""
 
     def __init__(self, specs: str | None, reward_model: RewardModel | None, weights: str | None,
-                 missing_eos_penalty: float = 0.0, tokenizer=None):
+                 missing_eos_penalty: float = 0.0, tokenizer=None, limits: CallLimits | None = None):
         self.fns = [(s, load_reward_fn(s)) for s in (specs or "").split(",") if s.strip() not in ("", "none")]
+        self.limits = limits or CallLimits()
         self.reward_model, self.missing_eos_penalty = reward_model, missing_eos_penalty
         self.tokenizer = tokenizer  # the policy's: of_rollout decodes responses with it
         n = len(self.fns) + bool(reward_model)
@@ -42,9 +44,17 @@ class Rewards:
                  columns: dict[str, list] | None = None, *, completion_ids: list | None = None) -> torch.Tensor:
         """Scores (B,). `columns`: the dataset's other columns, name -> one value per response (see reward_columns),
         passed to the reward functions that take them; `completion_ids`: each response's token ids, likewise."""
-        sources = [call_reward_fn(name, fn, prompts, completions, columns, completion_ids) for name, fn in self.fns]
+        sources = [call_reward_fn(name, fn, prompts, completions, columns, completion_ids, self.limits)
+                   for name, fn in self.fns]
         sources += [self.reward_model.score(prompts, completions)] if self.reward_model else []
         return truncation_penalty(weighted_sum(sources, self.weights), truncated, self.missing_eos_penalty)
+
+    def metrics(self) -> dict[str, float]:
+        """reward/timeouts and reward/errors: the responses scored by --reward_fallback since the run (or its resume)
+        started, summed over processes (a collective: every process calls it at the same point)."""
+        from verl_kit.train.distributed import reduce_metrics
+
+        return reduce_metrics({"reward/timeouts": self.limits.timeouts, "reward/errors": self.limits.errors})
 
     def of_rollout(self, rows: list[dict], rollout) -> torch.Tensor:
         """Scores (B,) of a rollout.Rollout's responses, decoded with the policy's tokenizer (special tokens
@@ -98,12 +108,14 @@ class RewardModel:
 
 def make_rewards(cfg: OnlineConfig, accelerator, tokenizer) -> Rewards:
     """The run's Rewards from the OnlineConfig flags: `--reward_fn`, `--reward_model_name_or_path` (placed frozen:
-    a ZeRO-3 inference engine under ZeRO-3), `--reward_weights`, `--missing_eos_penalty`."""
+    a ZeRO-3 inference engine under ZeRO-3), `--reward_weights`, `--missing_eos_penalty`, `--reward_timeout_s`,
+    `--reward_max_concurrency`, `--reward_fallback`."""
     reward_model = None
     if cfg.reward_model_name_or_path:
         reward_model = load_reward_model(cfg.reward_model_name_or_path, lambda load: frozen(accelerator, load),
                                          accelerator.device, cfg.max_length, cfg.per_device_eval_batch_size)
-    return Rewards(cfg.reward_fn, reward_model, cfg.reward_weights, cfg.missing_eos_penalty, tokenizer)
+    limits = CallLimits(cfg.reward_timeout_s, cfg.reward_fallback, cfg.reward_max_concurrency)
+    return Rewards(cfg.reward_fn, reward_model, cfg.reward_weights, cfg.missing_eos_penalty, tokenizer, limits)
 
 
 def load_reward_model(path: str, load_frozen, device, max_length: int, batch_size: int) -> RewardModel:

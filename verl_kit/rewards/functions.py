@@ -17,6 +17,9 @@ column it names or all of them if it takes **kwargs), as TRL does; otherwise the
 `trainer_state`, `log_extra`, `log_metric` and `environments` keys do not exist here. Columns named `prompts`,
 `completions` or `completion_ids` are refused. A wrong count, a non-finite value or an exception is a one-line
 UserError naming the function and the sample (the batch is retried one sample at a time, columns sliced alike).
+`async def` functions are awaited once per sample, concurrently; with CallLimits (the --reward_timeout_s,
+--reward_max_concurrency and --reward_fallback flags) a call that times out or raises scores the fallback instead,
+counted (docs/algorithms.md, "Rewards that cannot stall a run").
 
 Built-in functions: `kind_words` (the embedded task), `math_answer` (1.0 when the completion's final answer equals
 the row's `answer` or `solution` according to HF math-verify), `boxed_format` (1.0 for exactly one non-empty
@@ -36,6 +39,8 @@ import inspect
 import math
 import os
 import re
+import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -294,14 +299,156 @@ def _invoke(fn, plan: tuple[list[str] | None, list[str]], prompts: list, complet
     return fn(**{k: {"prompts": prompts, "completions": completions}[k] for k in lists}, **kwargs)
 
 
+@dataclass
+class CallLimits:
+    """What a reward call may cost and what a failed one scores (OnlineConfig's --reward_* flags), with the counts of
+    what happened: `timeout_s` per call (None: no limit, the call runs on the caller's thread), `fallback` the score
+    of a response whose call timed out or raised (None: the run stops with one line), `max_concurrency` async calls
+    in flight at once. `timeouts` and `errors` count the responses that got the fallback, since the run started."""
+
+    timeout_s: float | None = None
+    fallback: float | None = None
+    max_concurrency: int = 16
+    timeouts: int = 0
+    errors: int = 0
+
+
+class RewardTimeout(Exception):
+    pass
+
+
+def _with_timeout(call, timeout_s: float | None):
+    """call() on a daemon thread, waited for `timeout_s` seconds (RewardTimeout after); None: here and now.
+    Python cannot stop a thread: one that times out runs on in the background until its function returns, its
+    result dropped; being a daemon it never keeps the process alive at exit."""
+    if timeout_s is None:
+        return call()
+    box = {}
+
+    def target():
+        try:
+            box["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="verl_kit-reward", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise RewardTimeout
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _is_async(fn) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _failed(name: str, limits: CallLimits, what: str, where: str, timed_out: bool) -> float:
+    """The fallback score of a failed call, counted; or, without --reward_fallback, the one-line UserError."""
+    if limits.fallback is None:
+        raise UserError(f"reward function {name} {what} {where}; pass --reward_fallback <score> to score such calls "
+                        "and go on")
+    if timed_out:
+        limits.timeouts += 1
+    else:
+        limits.errors += 1
+    return limits.fallback
+
+
+def _sample(prompts, completions, i: int) -> str:
+    return f"on sample {i} (prompt {_excerpt(prompts[i])}, completion {_excerpt(completions[i])})"
+
+
+def _async_values(name, fn, plan, prompts, completions, extra, limits: CallLimits) -> list:
+    """An async function, awaited once per sample (one-element lists, columns sliced alike), at most
+    `max_concurrency` at a time, each cut after `timeout_s` (asyncio cancels it at its next await)."""
+    import asyncio
+
+    async def one(i, gate):
+        async with gate:
+            call = _invoke(fn, plan, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in extra.items()})
+            try:
+                return "ok", list(await asyncio.wait_for(call, limits.timeout_s))
+            except UserError:
+                raise
+            except asyncio.TimeoutError:
+                return "timeout", None
+            except Exception as e:  # noqa: BLE001 - scored by the fallback or reported in one line
+                return "error", e
+
+    async def every():
+        gate = asyncio.Semaphore(limits.max_concurrency)
+        return await asyncio.gather(*(one(i, gate) for i in range(len(completions))))
+
+    loop = asyncio.new_event_loop()
+    try:
+        results = loop.run_until_complete(every())
+    finally:
+        loop.close()
+    values = []
+    for i, (status, out) in enumerate(results):
+        if status == "ok" and len(out) != 1:
+            raise UserError(f"reward function {name} returned {len(out)} values for 1 sample")
+        values += out if status == "ok" else [_failed(
+            name, limits, f"did not return within {limits.timeout_s:g} s (--reward_timeout_s)" if status == "timeout"
+            else f"raised {type(out).__name__}: {out}", _sample(prompts, completions, i), status == "timeout")]
+    return values
+
+
+def _sync_values(name, fn, plan, prompts, completions, extra, limits: CallLimits) -> list:
+    """A plain function, called once for the batch (cut after `timeout_s`: every sample then gets the fallback). When
+    it raises, the samples are retried one by one (columns sliced alike) to find the ones that fail: those get the
+    fallback, or the first one is named in the error."""
+    n = len(completions)
+    try:
+        return list(_with_timeout(lambda: _invoke(fn, plan, prompts, completions, extra), limits.timeout_s))
+    except UserError:
+        raise
+    except RewardTimeout:
+        where = f"on a batch of {n} samples (the first: prompt {_excerpt(prompts[0])})"
+        return [_failed(name, limits, f"did not return within {limits.timeout_s:g} s (--reward_timeout_s)", where,
+                        True) for _ in range(n)]
+    except Exception as e:
+        batch_error = e
+    values, failed = [], False
+    for i in range(n):
+        try:
+            out = _with_timeout(lambda i=i: _invoke(fn, plan, prompts[i:i + 1], completions[i:i + 1],
+                                                    {k: v[i:i + 1] for k, v in extra.items()}), limits.timeout_s)
+            out = list(out)
+            if len(out) != 1:
+                raise UserError(f"reward function {name} returned {len(out)} values for 1 sample")
+            values += out
+        except UserError:
+            raise
+        except RewardTimeout:
+            failed = True
+            values.append(_failed(name, limits, f"did not return within {limits.timeout_s:g} s (--reward_timeout_s)",
+                                  _sample(prompts, completions, i), True))
+        except Exception as e1:
+            failed = True
+            values.append(_failed(name, limits, f"raised {type(e1).__name__}: {e1}", _sample(prompts, completions, i),
+                                  False))
+    if not failed:  # each sample alone passes: the batch call is what fails
+        where = f"on a batch of {n} samples (each alone passes)"
+        return [_failed(name, limits, f"raised {type(batch_error).__name__}: {batch_error}", where, False)
+                for _ in range(n)]
+    return values
+
+
 def call_reward_fn(name: str, fn, prompts: list, completions: list[str], columns: dict[str, list] | None = None,
-                   completion_ids: list | None = None) -> torch.Tensor:
+                   completion_ids: list | None = None, limits: CallLimits | None = None) -> torch.Tensor:
     """Run one reward function and check what it returns: (B,) float32. `columns` (name -> one value per completion)
     and `completion_ids` are passed as keyword arguments as far as the function's signature takes them (see the
-    module docstring). An exception, a result of the wrong length, or a non-finite or non-numeric value raises
-    UserError naming the function and the sample (index and prompt); a UserError raised by the function passes as
-    it is. When the batch call raises, the samples are retried one by one (columns sliced alike) to find the one
-    that fails."""
+    module docstring). A plain function is called once for the batch; an `async def` one once per sample,
+    concurrently (`limits`: CallLimits, the timeout, the cap on concurrent calls and the fallback). A call that
+    raises or times out gives its samples `limits.fallback`, counted in limits.timeouts / limits.errors; without a
+    fallback it is a UserError naming the function and the sample (when the batch call raises, the samples are
+    retried one by one to find it). A result of the wrong length or a non-finite or non-numeric value is always a
+    UserError naming the function and the sample; a UserError raised by the function passes as it is."""
+    limits = limits or CallLimits()
     extra = dict(columns or {})
     for key, values in extra.items():
         if key in RESERVED:
@@ -313,22 +460,8 @@ def call_reward_fn(name: str, fn, prompts: list, completions: list[str], columns
     if completion_ids is not None:
         extra["completion_ids"] = completion_ids
     plan = _call_plan(name, fn, list(extra))
-    try:
-        values = list(_invoke(fn, plan, prompts, completions, extra))
-    except UserError:
-        raise
-    except Exception as e:
-        for i in range(len(completions)):
-            try:
-                _invoke(fn, plan, prompts[i:i + 1], completions[i:i + 1],
-                        {k: v[i:i + 1] for k, v in extra.items()})
-            except UserError:
-                raise
-            except Exception as e1:
-                raise UserError(f"reward function {name} raised {type(e1).__name__}: {e1} on sample {i} "
-                                f"(prompt {_excerpt(prompts[i])}, completion {_excerpt(completions[i])})") from None
-        raise UserError(f"reward function {name} raised {type(e).__name__}: {e} on a batch of "
-                        f"{len(completions)} samples (each alone passes)") from None
+    run = _async_values if _is_async(fn) else _sync_values
+    values = run(name, fn, plan, prompts, completions, extra, limits)
     if len(values) != len(completions):
         raise UserError(f"reward function {name} returned {len(values)} values for {len(completions)} samples")
     for i, v in enumerate(values):

@@ -24,6 +24,7 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -31,24 +32,30 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 
+import torch
+
+from verl_kit.algos.sampling import group_rows, informative_groups, select_groups
 from verl_kit.config import OnlineConfig
 from verl_kit.rollout.backends import make_backend, start_server
 from verl_kit.rollout.prompts import Prompts, evaluate
-from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams
+from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams, concat_rollouts, select_rows
 from verl_kit.rollout.vllm_server import ServerProcess
 from verl_kit.train.checkpoint import resume
-from verl_kit.train.distributed import step_indices, step_seed
+from verl_kit.train.distributed import all_reduce_max, reduce_metrics, step_indices, step_seed
+
+logger = logging.getLogger(__name__)
 
 
 class Rollouts:
-    """`request(step) -> (prompt indices, prompts, SamplingParams)`: what step `step` generates (a pure function of
-    the step, so it can be asked ahead of time and again after a resume); each batch carries its prompts' indices
+    """`request(step, k) -> (prompt indices, prompts, SamplingParams)`: what step `step` generates (k = 0), or its
+    k-th further batch (--dynamic_sampling); a pure function of both, so it can be asked ahead of time and again
+    after a resume; each batch carries its prompts' indices
     (`Rollout.prompt_index`). `max_staleness`: None for synchronous rollouts, else how many steps ahead batches are
     generated. `engine`: a RolloutBackend; `server`: a vLLM server the run started, stopped by close();
     `eval_params`: the held-out evaluation's sampling; `pass_threshold`: the score a held-out response passes at."""
 
     def __init__(self, engine: RolloutBackend,
-                 request: Callable[[int], tuple[list[int], list[list[int]], SamplingParams]], total_steps: int,
+                 request: Callable[[int, int], tuple[list[int], list[list[int]], SamplingParams]], total_steps: int,
                  max_staleness: int | None = None, timeout_s: float = 1800, server: ServerProcess | None = None,
                  eval_params: SamplingParams | None = None, pass_threshold: float = 1.0):
         if max_staleness is not None and max_staleness < 0:
@@ -92,7 +99,7 @@ class Rollouts:
 
     def _submit(self, step: int) -> None:
         if step < self.total_steps and step not in self.batches:
-            idx, prompts, params = self.request(step)
+            idx, prompts, params = self.request(step, 0)
             self.batches[step] = (self._call(self._generate, idx, prompts, params), self.version)
 
     def _generate(self, idx: list[int], prompts: list[list[int]], params: SamplingParams) -> Rollout:
@@ -106,6 +113,11 @@ class Rollouts:
             self._submit(s)
         future, version = self.batches.pop(step)
         return self._wait(future, f"the rollout of step {step}"), step - version
+
+    def more(self, step: int, k: int) -> Rollout:
+        """The k-th further batch of `step` (k >= 1; --dynamic_sampling), generated now with the engine's weights
+        (those of the step's own batch when synchronous), in turn with the queued batches."""
+        return self._wait(self._call(self._generate, *self.request(step, k)), f"batch {k} of step {step}")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
         """Generate now, in turn with the queued batches (held-out evaluation)."""
@@ -150,6 +162,37 @@ class Rollouts:
             self.batches[int(step)] = (future, b["version"])
 
 
+def dynamic_sampling(rollouts: Rollouts, step: int, first: Rollout, scores: torch.Tensor, score,
+                     group_size: int, max_batches: int) -> tuple[Rollout, torch.Tensor, dict]:
+    """DAPO's dynamic sampling (algos.sampling): groups whose scores are all equal are dropped, and further batches of
+    the step (Rollouts.more, scored by `score(rollout) -> (B,)`) are generated until every process holds as many
+    informative groups as its first batch had groups, at most `max_batches` batches in all. Each process then keeps
+    the same number of groups, the fewest any process found (so all run the same number of micro-batches and
+    collectives), or, when some process found none, its first batch as it is. The number of batches is decided on
+    all processes together (collective). Returns the step's rollout, its scores and rollout/* metrics (sums over
+    processes)."""
+    target = len(scores) // group_size
+    batches, all_scores = [first], [scores]
+    informative = informative_groups(scores, group_size)
+    while True:
+        fewest = int(-all_reduce_max(-float(informative.sum())))
+        if fewest >= target or len(batches) >= max_batches:
+            break
+        ro = rollouts.more(step, len(batches))
+        batches.append(ro)
+        all_scores.append(score(ro))
+        informative = torch.cat([informative, informative_groups(all_scores[-1], group_size)])
+    take = min(fewest, target)
+    if take < target:
+        logger.warning("--dynamic_sampling: step %d found %d informative group(s) of %d on some process after %d "
+                       "generation batches (--max_num_gen_batches): %s", step, take, target, len(batches),
+                       f"training on {take} group(s) per process" if take else "training on its first batch as it is")
+    rows = group_rows(select_groups(informative, target, take), group_size).tolist()
+    counts = reduce_metrics({"rollout/groups_generated": len(informative), "rollout/groups_kept": take})
+    return (select_rows(concat_rollouts(batches), rows), torch.cat(all_scores)[rows],
+            {**counts, "rollout/gen_batches": len(batches)})
+
+
 def sampling_params(cfg: OnlineConfig) -> SamplingParams:
     """A step's sampling (OnlineConfig flags)."""
     return SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length, cfg.num_generations,
@@ -171,12 +214,14 @@ def start_rollouts(cfg: OnlineConfig, accelerator, actor, model_path: str, token
     backend = make_backend(cfg, accelerator, actor, model_path, tokenizer, prompt_ids[:cfg.vllm_probe_size], url)
     sampling = sampling_params(cfg)
 
-    def seed(step: int) -> int | None:
-        return step_seed(cfg.seed, step, rank) if backend.per_sample_seeds else None
+    def seed(step: int, k: int = 0) -> int | None:
+        return step_seed(cfg.seed + k, step, rank) if backend.per_sample_seeds else None
 
-    def request(step: int):
-        idx = step_indices(len(prompt_ids), step, cfg.prompts_per_step, cfg.seed, rank, world)
-        return idx, [prompt_ids[i] for i in idx], replace(sampling, seed=seed(step))
+    def request(step: int, k: int):
+        # batch k >= 1 of a step (--dynamic_sampling) reads the prompts of another seeded order of the split: the
+        # step's own batch (k = 0) stays what it is without the flag, and every batch is a function of (step, k)
+        idx = step_indices(len(prompt_ids), step, cfg.prompts_per_step, cfg.seed + k, rank, world)
+        return idx, [prompt_ids[i] for i in idx], replace(sampling, seed=seed(step, k))
 
     rollouts = Rollouts(backend, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
                         cfg.rollout_timeout_s, server=server, pass_threshold=cfg.pass_threshold,

@@ -69,3 +69,25 @@ class RolloutBackend(Protocol):
 
     def close(self) -> None:
         """Release the engine (processes, memory, shared-memory slots)."""
+
+
+def concat_rollouts(batches: list[Rollout]) -> Rollout:
+    """The rows of several rollouts, in order, as one: response tensors right-padded to the longest (ids 0, mask
+    False, log-probs 0 past a response's end: nothing reads them)."""
+    R = max(b.response_ids.shape[1] for b in batches)
+
+    def cat(name: str, value=0):
+        return torch.cat([torch.nn.functional.pad(getattr(b, name), (0, R - getattr(b, name).shape[1]), value=value)
+                          for b in batches])
+
+    index = None if any(b.prompt_index is None for b in batches) else [i for b in batches for i in b.prompt_index]
+    return Rollout([p for b in batches for p in b.prompt_ids], cat("response_ids"), cat("response_mask", False),
+                   cat("sampling_logprobs"), torch.cat([b.truncated for b in batches]), index)
+
+
+def select_rows(ro: Rollout, rows: list[int]) -> Rollout:
+    """The rollout of `rows` (indices into ro's responses), in that order."""
+    ix = torch.tensor(rows, dtype=torch.long)
+    return Rollout([ro.prompt_ids[i] for i in rows], ro.response_ids[ix], ro.response_mask[ix],
+                   ro.sampling_logprobs[ix], ro.truncated[ix],
+                   None if ro.prompt_index is None else [ro.prompt_index[i] for i in rows])

@@ -12,11 +12,14 @@ from verl_kit.train.actor_critic import (
 from verl_kit.train.checkpoint import (
     MODEL_FLAGS,
     STATE_FILE,
+    check_run,
     list_checkpoints,
     load_checkpoint,
     model_flags,
     resolve_resume,
     resume,
+    run_changes,
+    run_fingerprint,
     save_checkpoint,
     save_if_due,
 )
