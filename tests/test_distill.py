@@ -103,19 +103,19 @@ def sft_held_out_loss(model_path: str, n: int = 64) -> float:
 
 @pytest.mark.slow
 def test_student_learns_from_sft_teacher(teacher, tiny_model_path, tmp_path):
-    """Student = the fresh tiny model, default loss (reverse-KL advantages, clipped policy loss), 16 steps: the
+    """Student = the fresh tiny model, default loss (reverse-KL advantages, clipped policy loss), 12 steps: the
     held-out per-token reverse KL to the teacher falls by at least half, and the student's held-out SFT loss (the
     task it never saw as data) falls."""
     out = tmp_path / "run"
     run(recipe_cmd("distill.py", ["--config", "recipes/configs/distill_tiny.yaml", "--teacher_model_name_or_path",
-                                  teacher, "--output_dir", str(out), "--max_steps", "16"]), timeout=420)
+                                  teacher, "--output_dir", str(out), "--max_steps", "12"]), timeout=420)
     rows = metrics(out)
     held_out = [(r["step"], r["eval/teacher_kl"]) for r in rows if "eval/teacher_kl" in r]
     train_kl = [r["teacher_kl"] for r in rows if "teacher_kl" in r]
     before, after = sft_held_out_loss(tiny_model_path), sft_held_out_loss(str(out / "final"))
     print(f"held-out teacher_kl {held_out}; teacher_kl {[round(x, 3) for x in train_kl]}; "
           f"SFT held-out loss {before:.3f} -> {after:.3f}")
-    assert held_out[0][0] == 0 and held_out[-1][0] == 16
+    assert held_out[0][0] == 0 and held_out[-1][0] == 12
     assert held_out[-1][1] <= 0.5 * held_out[0][1], held_out
     assert train_kl[-1] < train_kl[0], train_kl
     assert after < before - 0.5, (before, after)
@@ -132,7 +132,8 @@ def _args(out, teacher, *extra):
     return ["--config", "recipes/configs/distill_tiny.yaml", "--teacher_model_name_or_path", teacher,
             "--output_dir", str(out), "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1",
             "--eval_steps", "2", "--prompts_per_step", "8", "--dataset_test_split", "test[:8]", "--loss_type", "jsd",
-            "--beta", "0.5", "--use_peft", "--lora_target_modules", "q_proj,v_proj,lm_head", "--top_k", "1", *extra]
+            "--beta", "0.5", "--use_peft", "--lora_target_modules", "q_proj,v_proj,lm_head", "--lora_dropout", "0",
+            "--top_k", "1", *extra]
 
 
 @pytest.mark.slow
