@@ -21,7 +21,9 @@ ONLINE = ["--prompts_per_step", "8", "--dataset_test_split", "test[:8]"]
 OFFLINE = ["--dataset_test_split", "test[:16]"]
 EXTRA = {"sft.py": OFFLINE, "reward_model.py": OFFLINE, "dpo.py": [*OFFLINE, "--report_to", "tensorboard"],
          "kto.py": [*OFFLINE, "--report_to", "wandb"], "ppo.py": ONLINE, "grpo.py": ONLINE,
-         "distill.py": [*ONLINE, "--teacher_model_name_or_path", "tiny-llama"]}  # teacher = student: the smoke
+         # teacher = student (teacher_kl 0): the task reward, mixed into the advantage, is what trains it here
+         "distill.py": [*ONLINE, "--teacher_model_name_or_path", "tiny-llama", "--num_generations", "2",
+                        "--task_reward_coef", "0.5"]}
 
 
 def recipe_config(recipe: str) -> type:
