@@ -32,7 +32,7 @@ def test_generalized_jsd_by_hand():
     beta 0.5: m = (5/8, 3/8); KL(q || m) = 3/4 ln(6/5) + 1/4 ln(2/3) = 0.136741 - 0.101366 = 0.035375;
     KL(p || m) = 1/2 ln(4/5) + 1/2 ln(4/3) = -0.111572 + 0.143841 = 0.032269; JSD = (0.035375 + 0.032269) / 2
     = 0.033822. (TRL's generalized_jsd_loss with reduction='none', summed over the vocabulary, gives the same to
-    1e-7 on random logits; importing it costs ~10 s, so that check is not repeated here.)
+    1e-7 on random logits; importing it costs 10-30 s, so that check is not repeated here.)
     The gradient flows to the student only, and vanishes where the student equals the teacher."""
     s = torch.tensor([[0.0, 0.0], [LN3, 0.0]], requires_grad=True)
     t = torch.tensor([[LN3, 0.0], [LN3, 0.0]], requires_grad=True)
