@@ -1,4 +1,4 @@
-"""Every recipe as a user runs it, in the fast tier (`make test-fast`): each of the six runs 2 steps end to end on the
+"""Every recipe as a user runs it, in the fast tier (`make test-fast`): each of the seven runs 2 steps end to end on the
 embedded tiny model (held-out evaluation before and after, a checkpoint, the HF export, the plots; DPO and KTO also
 report to TensorBoard and W&B); every shipped config parses into its recipe's flags; user mistakes end with one line
 and exit code 2, and a failed restart leaves what a run saved as it was. The slow tier checks that they learn."""
@@ -15,12 +15,15 @@ from helpers import REPO, metrics, recipe_cmd, run
 from verl_kit.config import TrainConfig, parse_args
 from verl_kit.errors import UserError
 
-RECIPES = ["sft.py", "reward_model.py", "dpo.py", "kto.py", "ppo.py", "grpo.py"]
+RECIPES = ["sft.py", "reward_model.py", "dpo.py", "kto.py", "ppo.py", "grpo.py", "distill.py"]
 SMOKE = ["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2", "--save_steps", "2"]
 ONLINE = ["--prompts_per_step", "8", "--dataset_test_split", "test[:8]"]
 OFFLINE = ["--dataset_test_split", "test[:16]"]
 EXTRA = {"sft.py": OFFLINE, "reward_model.py": OFFLINE, "dpo.py": [*OFFLINE, "--report_to", "tensorboard"],
-         "kto.py": [*OFFLINE, "--report_to", "wandb"], "ppo.py": ONLINE, "grpo.py": ONLINE}
+         "kto.py": [*OFFLINE, "--report_to", "wandb"], "ppo.py": ONLINE, "grpo.py": ONLINE,
+         # teacher = student (teacher_kl 0): the task reward, mixed into the advantage, is what trains it here
+         "distill.py": [*ONLINE, "--teacher_model_name_or_path", "tiny-llama", "--num_generations", "2",
+                        "--task_reward_coef", "0.5"]}
 
 
 def recipe_config(recipe: str) -> type:
@@ -61,7 +64,7 @@ def test_two_steps_end_to_end(recipe, smoke):
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
     assert sorted(by_step) == [0, 1, 2], sorted(by_step)
     assert any(k.startswith("eval/") for k in by_step[0]) and any(k.startswith("eval/") for k in by_step[2])
-    trained = "reward/mean" if recipe in ("ppo.py", "grpo.py") else "loss"
+    trained = {"ppo.py": "reward/mean", "grpo.py": "reward/mean", "distill.py": "teacher_kl"}.get(recipe, "loss")
     assert trained in by_step[1] and trained in by_step[2], by_step
     if recipe in ("ppo.py", "grpo.py"):  # no reward call timed out or raised (none was scored by a fallback)
         assert by_step[2]["reward/timeouts"] == 0 and by_step[2]["reward/errors"] == 0, by_step[2]
@@ -189,6 +192,19 @@ def bad_chat(tmp_path):
                        "--assistant_only_loss false to learn the whole conversation)")
 
 
+def other_tokenizer(tmp_path):
+    """The tiny model with one token added to its tokenizer: a teacher the student cannot be distilled from."""
+    from verl_kit.models import load_tokenizer, resolve_model_path
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(resolve_model_path("tiny-llama"), teacher)
+    tok = load_tokenizer(str(teacher))
+    tok.add_tokens(["zqxj"])
+    tok.save_pretrained(str(teacher))
+    return str(teacher), (f"error: --teacher_model_name_or_path {teacher}: the teacher's tokenizer is not the "
+                          "student's: the vocabularies differ")
+
+
 def unwritable(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -210,6 +226,7 @@ ERRORS = [
     ("dpo.py", "--output_dir", unwritable, None),
     ("grpo.py", "--num_generations", "1", "error: --num_generations 1: GRPO compares responses within a group"),
     ("ppo.py", "--reward_fn", "verl_kit.rewards:nope", "error: --reward_fn 'verl_kit.rewards:nope'"),
+    ("distill.py", "--teacher_model_name_or_path", other_tokenizer, None),
 ]
 
 

@@ -20,7 +20,7 @@ from verl_kit.config import TrainConfig, choices
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: recipes/ and verl_kit/ side by side
 RECIPES = ROOT / "recipes"
-ORDER = ("sft", "reward_model", "dpo", "kto", "ppo", "grpo")  # the rest follow by name
+ORDER = ("sft", "reward_model", "dpo", "kto", "ppo", "grpo", "distill")  # the rest follow by name
 
 
 def recipe_files(recipes_dir: Path = RECIPES) -> list[Path]:

@@ -1,6 +1,6 @@
 """Pure maths, tensors in and out (imports only torch): advantages and KL estimators, preference losses (DPO,
 IPO, KTO, Bradley-Terry), policy and value losses with their reductions, off-policy importance weights, pass@k, the
-groups dynamic sampling keeps."""
+groups dynamic sampling keeps, on-policy distillation losses (reverse-KL advantages, generalized JSD)."""
 
 from verl_kit.algos.advantages import (
     AdaptiveKLController,
@@ -16,6 +16,7 @@ from verl_kit.algos.advantages import (
     truncation_penalty,
     whiten,
 )
+from verl_kit.algos.distill import generalized_jsd, reverse_kl_advantages
 from verl_kit.algos.evaluation import pass_at_k
 from verl_kit.algos.off_policy import MODES, check_args, importance_weights, mismatch_metrics, reweight, step_metrics
 from verl_kit.algos.policy import (

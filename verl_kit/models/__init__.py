@@ -3,6 +3,7 @@ real model (smollm2-135m)."""
 
 from verl_kit.models.loading import (
     cache_dir,
+    check_shared_tokenizer,
     default_attn_implementation,
     export_hf,
     load_causal_lm,

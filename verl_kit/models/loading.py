@@ -102,6 +102,31 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def check_shared_tokenizer(student, teacher, teacher_flag: str) -> None:
+    """Distillation scores the student's token ids with the teacher: both tokenizers must map the same strings to the
+    same ids, with the same special tokens and chat template ids. A one-line UserError naming `teacher_flag` (the
+    flag and its value) otherwise."""
+    sv, tv = student.get_vocab(), teacher.get_vocab()
+    why = None
+    if sv != tv:
+        diff = sorted(set(sv.items()) ^ set(tv.items()))[:1]
+        why = f"the vocabularies differ ({len(sv)} vs {len(tv)} tokens; first difference: {diff[0][0]!r})"
+    elif (student.eos_token_id, student.bos_token_id) != (teacher.eos_token_id, teacher.bos_token_id):
+        why = (f"the special tokens differ (eos/bos ids {student.eos_token_id}/{student.bos_token_id} vs "
+               f"{teacher.eos_token_id}/{teacher.bos_token_id})")
+    elif bool(student.chat_template) != bool(teacher.chat_template):
+        why = "one has a chat template and the other none"
+    elif student.chat_template:
+        probe = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+        ids = [t(t.apply_chat_template(probe, tokenize=False), add_special_tokens=False)["input_ids"]
+               for t in (student, teacher)]
+        if ids[0] != ids[1]:
+            why = "the chat templates give a conversation different token ids"
+    if why:
+        raise UserError(f"{teacher_flag}: the teacher's tokenizer is not the student's: {why}; teacher and student "
+                        "must share vocabulary, special tokens and chat template")
+
+
 def load_causal_lm(path: str, attn_implementation: str | None = None, gradient_checkpointing: bool = False,
                    load_in_4bit: bool = False):
     """fp32 weights (DeepSpeed/autocast handle bf16 on GPU); gradient checkpointing without reentrancy.

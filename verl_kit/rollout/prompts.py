@@ -68,13 +68,14 @@ def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[lis
 
 @torch.no_grad()
 def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score, batch_size: int,
-             pass_threshold: float = 1.0) -> dict:
+             pass_threshold: float = 1.0, extra=None) -> dict:
     """Mean score of the responses to the held-out `split` (`score(rows, rollout) -> (B,)`, no KL term), the
     prompts sharded over processes, `batch_size` per generate call. Every process makes the same calls (ZeRO-3
     lockstep). The torch RNG is forked, so a run samples the same training rollouts with or without evaluation. With
     `params.seed`, every response gets its own seed (the seed plus its prompt's position). With `params.n` > 1
     responses per prompt, also eval/pass@k for k = 1, 2, 4, ... <= n: the mean over prompts of the unbiased pass@k
-    (algos.pass_at_k), a response passing when its score is >= `pass_threshold`."""
+    (algos.pass_at_k), a response passing when its score is >= `pass_threshold`. `extra(rows, rollout) -> {name: (B,)}`
+    (optional): more per-response values, each reported as its mean over the responses, eval/<name>."""
     prompts, rows = split.ids, split.rows
     world, rank, n = accelerator.num_processes, accelerator.process_index, len(prompts)
     mine = shard(n, rank, world)
@@ -87,24 +88,30 @@ def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score,
             first = (rank + world * i) * params.n  # this batch's first response, over all processes
             ro = engine.generate([prompts[j] for j in idx],
                                  replace(params, seed=params.sample_seed(first)))
-            scores = score([rows[j] for j in idx for _ in range(params.n)], ro).view(len(idx), params.n)
+            rows_of = [rows[j] for j in idx for _ in range(params.n)]
+            scores = score(rows_of, ro).view(len(idx), params.n)
             real = torch.tensor([rank + world * (i + k) < n for k in range(len(idx))])  # not shard()'s wrap-around
             tally.add(responses=float(real.sum()) * params.n, score=scores[real],
                       tokens=ro.response_mask.view(len(idx), params.n, -1)[real])
+            for name, values in (extra(rows_of, ro) if extra else {}).items():
+                tally.add(**{f"extra/{name}": values.view(len(idx), params.n)[real]})
             if params.n > 1:
                 passed = (scores[real] >= pass_threshold).sum(-1)
                 tally.add(prompts=float(real.sum()), **{f"pass@{k}": pass_at_k(passed, params.n, k) for k in ks})
     t = tally.reduce()
     return {"eval/reward_mean": t["score"] / t["responses"], "eval/response_length": t["tokens"] / t["responses"],
-            **{f"eval/pass@{k}": t[f"pass@{k}"] / t["prompts"] for k in ks}}
+            **{f"eval/pass@{k}": t[f"pass@{k}"] / t["prompts"] for k in ks},
+            **{f"eval/{k[len('extra/'):]}": v / t["responses"] for k, v in t.items() if k.startswith("extra/")}}
 
 
-def sample_rows(step: int, rows: list[dict], ro: Rollout, scores: torch.Tensor, tokenizer, k: int = 4) -> list[dict]:
+def sample_rows(step: int, rows: list[dict], ro: Rollout, scores: torch.Tensor, tokenizer, k: int = 4,
+                extra: list[dict] | None = None) -> list[dict]:
     """k of a step's responses, spread over its prompts, as readable rows for samples.jsonl: step, prompt (as in the
-    dataset), completion (decoded), reward, and the row's other columns as `reference`."""
+    dataset), completion (decoded), reward, the row's other columns as `reference`, and `extra[i]`'s fields (one dict
+    per response, optional)."""
     out = []
     for i in range(0, len(rows), max(1, len(rows) // k))[:k]:
         text = tokenizer.decode(ro.response_ids[i][ro.response_mask[i]], skip_special_tokens=True)
         out.append({"step": step, "prompt": rows[i]["prompt"], "completion": text, "reward": float(scores[i]),
-                    "reference": {c: v for c, v in rows[i].items() if c != "prompt"}})
+                    "reference": {c: v for c, v in rows[i].items() if c != "prompt"}, **(extra[i] if extra else {})})
     return out

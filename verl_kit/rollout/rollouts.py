@@ -123,10 +123,11 @@ class Rollouts:
         """Generate now, in turn with the queued batches (held-out evaluation)."""
         return self._wait(self._call(self.engine.generate, prompts, params), "a generation")
 
-    def evaluate(self, accelerator, split: Prompts, score, batch_size: int) -> dict:
+    def evaluate(self, accelerator, split: Prompts, score, batch_size: int, extra=None) -> dict:
         """Held-out evaluation (rollout.prompts.evaluate) with the run's evaluation sampling, in turn with the queued
-        batches: eval/reward_mean, eval/response_length (and eval/pass@k with several responses per prompt)."""
-        return evaluate(accelerator, self, split, self.eval_params, score, batch_size, self.pass_threshold)
+        batches: eval/reward_mean, eval/response_length (and eval/pass@k with several responses per prompt, and
+        eval/<name> of `extra`'s per-response values)."""
+        return evaluate(accelerator, self, split, self.eval_params, score, batch_size, self.pass_threshold, extra)
 
     def load_weights(self, actor, version: int) -> dict:
         """Weight sync (collective), once the engine has finished every batch handed to it."""

@@ -1,0 +1,154 @@
+"""On-policy distillation (recipes/distill.py): the two losses worked by hand, the teacher/student tokenizer check;
+in the slow tier the student learning from an SFT teacher, and ZeRO-3 x2 against one process with kill -9 / resume."""
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import assert_resume_bit_identical, launch_cmd, metrics, numbers, recipe_cmd, run
+
+from verl_kit.algos import generalized_jsd, reverse_kl_advantages
+from verl_kit.errors import UserError
+from verl_kit.models import check_shared_tokenizer, load_tokenizer
+
+LN2, LN3 = math.log(2.0), math.log(3.0)
+
+
+def test_reverse_kl_advantages_by_hand():
+    """Sampled tokens with student/teacher probabilities (1/2, 1/4), (1/4, 1/2), (1/3, 1/3): A = -(log p - log q) =
+    -ln 2, +ln 2, 0. The advantage carries no gradient (it is a constant of the policy loss)."""
+    s = torch.log(torch.tensor([0.5, 0.25, 1 / 3])).requires_grad_()
+    q = torch.log(torch.tensor([0.25, 0.5, 1 / 3]))
+    a = reverse_kl_advantages(s, q)
+    assert torch.allclose(a, torch.tensor([-LN2, LN2, 0.0]), atol=1e-6)
+    assert not a.requires_grad
+
+
+def test_generalized_jsd_by_hand():
+    """Two tokens. Student logits (0, 0): p = (1/2, 1/2); teacher logits (ln 3, 0): q = (3/4, 1/4).
+    beta 0, forward KL(q || p) = 3/4 ln(3/2) + 1/4 ln(1/2) = 0.304099 - 0.173287 = 0.130812.
+    beta 1, reverse KL(p || q) = 1/2 ln(2/3) + 1/2 ln 2 = -0.202733 + 0.346574 = 0.143841.
+    beta 0.5: m = (5/8, 3/8); KL(q || m) = 3/4 ln(6/5) + 1/4 ln(2/3) = 0.136741 - 0.101366 = 0.035375;
+    KL(p || m) = 1/2 ln(4/5) + 1/2 ln(4/3) = -0.111572 + 0.143841 = 0.032269; JSD = (0.035375 + 0.032269) / 2
+    = 0.033822. (TRL's generalized_jsd_loss with reduction='none', summed over the vocabulary, gives the same to
+    1e-7 on random logits; importing it costs 10-30 s, so that check is not repeated here.)
+    The gradient flows to the student only, and vanishes where the student equals the teacher."""
+    s = torch.tensor([[0.0, 0.0], [LN3, 0.0]], requires_grad=True)
+    t = torch.tensor([[LN3, 0.0], [LN3, 0.0]], requires_grad=True)
+    for beta, want in ((0.0, 0.130812), (1.0, 0.143841), (0.5, 0.033822)):
+        got = generalized_jsd(s, t, beta)
+        assert got.shape == (2,)
+        assert got[0].item() == pytest.approx(want, abs=1e-5), beta
+        assert got[1].item() == pytest.approx(0.0, abs=1e-6), beta
+    generalized_jsd(s, t, 0.5).sum().backward()
+    assert t.grad is None and s.grad[0].abs().sum() > 0 and s.grad[1].abs().max() < 1e-6
+    with pytest.raises(ValueError, match="beta 1.5"):
+        generalized_jsd(s, t, 1.5)
+
+
+def test_teacher_tokenizer_must_be_the_students(tiny_model_path, tmp_path):
+    """The same tokenizer passes; an added token, another EOS or another chat template are refused in one line that
+    names the flag."""
+    student = load_tokenizer(tiny_model_path)
+    check_shared_tokenizer(student, load_tokenizer(tiny_model_path), "--teacher_model_name_or_path t")
+    cases = {}
+    added = load_tokenizer(tiny_model_path)
+    added.add_tokens(["zqxj"])
+    cases["vocabularies differ"] = added
+    eos = load_tokenizer(tiny_model_path)
+    eos.eos_token = eos.convert_ids_to_tokens(5)
+    cases["special tokens differ"] = eos
+    template = load_tokenizer(tiny_model_path)
+    template.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    cases["chat templates give a conversation different token ids"] = template
+    for why, teacher in cases.items():
+        with pytest.raises(UserError) as e:
+            check_shared_tokenizer(student, teacher, "--teacher_model_name_or_path t")
+        msg = str(e.value)
+        assert msg.startswith("--teacher_model_name_or_path t: the teacher's tokenizer is not the student's: "), msg
+        assert why in msg and "\n" not in msg, msg
+
+
+# ---- slow: learning, ZeRO-3, resume ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """The tiny model after 60 steps of the SFT recipe on its embedded task (held-out SFT loss 6.5 -> 2.1): a teacher
+    that knows the task's replies, still far from sharp."""
+    out = tmp_path_factory.mktemp("teacher") / "sft"
+    run(recipe_cmd("sft.py", ["--config", "recipes/configs/sft_tiny.yaml", "--output_dir", str(out), "--max_steps",
+                              "60", "--dataset_test_split", "none", "--logging_steps", "60"]), timeout=300)
+    return str(out / "final")
+
+
+def sft_held_out_loss(model_path: str, n: int = 64) -> float:
+    """Token-mean NLL of the assistant replies of the SFT task's first `n` held-out conversations."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_kit.data import TINY_SFT, sft_examples
+
+    with open(f"{TINY_SFT}/test.jsonl") as f:
+        rows = [json.loads(line) for line in f][:n]
+    examples = sft_examples(rows, load_tokenizer(model_path), 64, 128, "tiny_sft[test]")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    nll = tokens = 0.0
+    with torch.no_grad():
+        for e in examples:
+            ids, learned = torch.tensor([e.input_ids]), torch.tensor(e.loss_mask[1:])
+            logps = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+            nll, tokens = nll - float(logps[learned].sum()), tokens + float(learned.sum())
+    return nll / tokens
+
+
+@pytest.mark.slow
+def test_student_learns_from_sft_teacher(teacher, tiny_model_path, tmp_path):
+    """Student = the fresh tiny model, default loss (reverse-KL advantages, clipped policy loss), 12 steps: the
+    held-out per-token reverse KL to the teacher falls by at least half, and the student's held-out SFT loss (the
+    task it never saw as data) falls."""
+    out = tmp_path / "run"
+    run(recipe_cmd("distill.py", ["--config", "recipes/configs/distill_tiny.yaml", "--teacher_model_name_or_path",
+                                  teacher, "--output_dir", str(out), "--max_steps", "12"]), timeout=420)
+    rows = metrics(out)
+    held_out = [(r["step"], r["eval/teacher_kl"]) for r in rows if "eval/teacher_kl" in r]
+    train_kl = [r["teacher_kl"] for r in rows if "teacher_kl" in r]
+    before, after = sft_held_out_loss(tiny_model_path), sft_held_out_loss(str(out / "final"))
+    print(f"held-out teacher_kl {held_out}; teacher_kl {[round(x, 3) for x in train_kl]}; "
+          f"SFT held-out loss {before:.3f} -> {after:.3f}")
+    assert held_out[0][0] == 0 and held_out[-1][0] == 12
+    assert held_out[-1][1] <= 0.5 * held_out[0][1], held_out
+    assert train_kl[-1] < train_kl[0], train_kl
+    assert after < before - 0.5, (before, after)
+    for key in ["teacher_kl", "actor/loss", "actor/entropy", "grad_norm", "eval/reward_mean", "timing_s/teacher"]:
+        assert key in rows[-1], key
+    with open(out / "samples.jsonl") as f:
+        sample = json.loads(f.readline())
+    assert math.isfinite(sample["teacher_kl"]) and len(sample["disputed"]) == 3, sample
+
+
+def _args(out, teacher, *extra):
+    """4 steps of the generalized JSD (beta 0.5) on a LoRA student, checkpoint at 2; top_k 1 makes the samples
+    greedy, so one process and two draw the same responses."""
+    return ["--config", "recipes/configs/distill_tiny.yaml", "--teacher_model_name_or_path", teacher,
+            "--output_dir", str(out), "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1",
+            "--eval_steps", "2", "--prompts_per_step", "8", "--dataset_test_split", "test[:8]", "--loss_type", "jsd",
+            "--beta", "0.5", "--use_peft", "--lora_target_modules", "q_proj,v_proj,lm_head", "--lora_dropout", "0",
+            "--top_k", "1", *extra]
+
+
+@pytest.mark.slow
+def test_jsd_lora_resume_bit_identical_and_zero3_equals_one_process(teacher, tmp_path):
+    """One process, --loss_type jsd, LoRA student: run B, SIGKILLed once checkpoint-2 is complete and resumed, ends
+    with the same adapter as run A bit for bit. Then 2 processes under ZeRO-3 (student engine, sharded teacher)
+    give A's held-out and step metrics (same greedy samples; sums in another order)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert_resume_bit_identical(lambda out, *x: recipe_cmd("distill.py", _args(out, teacher, *x)), a, b, 2,
+                                weights="adapter_model.safetensors", compare_steps=(3, 4))
+    z = tmp_path / "zero3"
+    run(launch_cmd("zero3.yaml", 2, "distill.py", _args(z, teacher)), timeout=420)
+    one, two = numbers(a), numbers(z)
+    for step, keys in ((0, ["eval/teacher_kl"]), (1, ["teacher_kl", "actor/loss", "actor/entropy"]),
+                       (2, ["teacher_kl", "actor/loss", "eval/teacher_kl"])):
+        for k in keys:
+            assert two[step][k] == pytest.approx(one[step][k], rel=1e-3), (step, k, one[step][k], two[step][k])
+    assert one[2]["teacher_kl"] != one[1]["teacher_kl"]  # the update changed the student
