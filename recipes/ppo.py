@@ -94,6 +94,9 @@ def main():
     accelerator = make_accelerator(cfg)
     world, device = accelerator.num_processes, accelerator.device
     cfg.check(world)
+    if cfg.environment_factory or cfg.tools:  # GAE over episodes (skipping environment tokens) is not written yet
+        raise UserError("--environment_factory/--tools: multi-turn episodes run in recipes/grpo.py; PPO does not "
+                        "take them yet")
     if cfg.critic_init == "reward" and not cfg.reward_model_name_or_path:
         raise UserError("--critic_init reward needs --reward_model_name_or_path")
 

@@ -53,8 +53,10 @@ class Rewards:
         (the responses' token ids)."""
         ids = [r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)]
         completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        return self([r["prompt"] for r in rows], completions, rollout.truncated, reward_columns(rows),
-                    completion_ids=[x.tolist() for x in ids])
+        scores = self([r["prompt"] for r in rows], completions, rollout.truncated, reward_columns(rows),
+                      completion_ids=[x.tolist() for x in ids])
+        # multi-turn: the environment's get_reward() is one more source, weight 1 (TRL's environment reward)
+        return scores if rollout.env_reward is None else scores + rollout.env_reward
 
 
 class RewardModel:

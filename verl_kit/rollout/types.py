@@ -39,6 +39,13 @@ class Rollout:
     truncated          (B,) bool                  no EOS within max_new_tokens
     prompt_index       list of B ints or None     each response's prompt, as an index into the prompt list the
                                                   batch was asked from (set by rollout.Rollouts)
+    Multi-turn episodes (rollout.episodes) add, else None:
+    env_mask           (B, R) bool                True on the tokens the environment inserted (tool results,
+                                                  replies, the template's turn markers); the response is
+                                                  response_mask | env_mask, and response_mask (the loss mask, the
+                                                  sampling log-probs) covers only what the model sampled
+    env_reward         (B,) float32               each environment's get_reward() (0 without one)
+    episodes           list of B dicts            turns, tool_calls, tool_failures and the messages of each episode
     """
 
     prompt_ids: list[list[int]]
@@ -47,6 +54,14 @@ class Rollout:
     sampling_logprobs: torch.Tensor
     truncated: torch.Tensor
     prompt_index: list[int] | None = None
+    env_mask: torch.Tensor | None = None
+    env_reward: torch.Tensor | None = None
+    episodes: list[dict] | None = None
+
+    @property
+    def sequence_mask(self) -> torch.Tensor:
+        """(B, R) bool: every token of the response, sampled or inserted by the environment."""
+        return self.response_mask if self.env_mask is None else self.response_mask | self.env_mask
 
 
 @runtime_checkable
