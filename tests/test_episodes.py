@@ -1,7 +1,8 @@
 """Multi-turn episodes (verl_kit.rollout.episodes): the prefix-property refusal, tool calls parsed, failed and timed out
 (counted, the episode goes on), `reset` raising in one line, a prompt too long with its tools, the trained token
-sequence equal to the engine's sampled ids plus the environment's (HF generate here; colocated vLLM and the vLLM
-server in the slow tier), and a TRL-style environment class running unchanged through recipes/grpo.py."""
+sequence equal to the engine's sampled ids plus the environment's (HF generate here, the vLLM server in the slow
+tier, colocated vLLM in tests/test_vllm.py's driver), and a TRL-style environment class running unchanged through
+recipes/grpo.py."""
 
 import copy
 import json
@@ -243,3 +244,63 @@ def test_trl_style_environment_runs_through_grpo(tmp_path):
     sample = json.loads((out / "samples.jsonl").read_text().splitlines()[-1])
     assert sample["messages"][0]["role"] == "system" and "lookup" in sample["messages"][0]["content"]
     assert sample["messages"][-1]["role"] == "assistant"
+
+
+# ---- the same check on the vLLM backends (slow) -----------------------------------------------------------------
+
+def short_turns(model, tokenizer, steps: int = 15) -> None:
+    """A few AdamW steps on a conversation of short assistant turns ("ok" then EOS), so that sampled turns end and the
+    environment gets to answer (the random tiny model almost never samples EOS)."""
+    turns = [{"role": "user", "content": ROW["prompt"][0]["content"] + " Be brief."}]
+    for k in (1, 2, 3):
+        turns += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"again {k}"}]
+    ids = torch.tensor([tokenizer.apply_chat_template(turns[:-1], tokenize=True, return_dict=False)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
+def vllm_episodes(engine, tokenizer) -> dict:
+    """6 seeded episodes of `Again` on `engine` (weights already synced): the token-exact replay's result."""
+    rec = Recording(engine)
+    eps = Episodes(rec, tokenizer, "tiny-llama", env_factory=Again, max_prompt_length=64, max_completion_length=48)
+    ro = eps.run([ROW] * 6, [1] * 6, SamplingParams(max_new_tokens=48, seed=7))
+    return {"continued": episode_is_token_exact(ro, rec.calls, tokenizer.pad_token_id),
+            "turns": [e["turns"] for e in ro.episodes]}
+
+
+@pytest.mark.slow
+def test_episode_tokens_exact_vllm_server(vllm_server, tokenizer, tiny_model_path):
+    """The same on the session's shared vLLM server (the client sends token ids; the weights are synced first)."""
+    from verl_kit.models import load_causal_lm
+    from verl_kit.rollout import VLLMServer
+
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_model_path)
+    short_turns(model, tokenizer)
+    client = VLLMServer(vllm_server.url, tokenizer, probe_prompts=[], probe_threshold=1e-3, max_retries=3,
+                        backoff_s=0.5, connect_timeout_s=5, request_timeout_s=120)
+    try:
+        client.load_weights(model, version=1)
+        out = vllm_episodes(client, tokenizer)
+    finally:
+        client.close()
+    print(out)
+    assert out["continued"] >= 2, out
+
+
+@pytest.mark.slow
+def test_ppo_runs_episodes(tmp_path):
+    """recipes/ppo.py on episodes of the example feedback environment (the `respond` path), 2 steps on HF generate:
+    the critic and GAE see sampled tokens only (verl_kit.algos.gae skips the environment's)."""
+    out = tmp_path / "run"
+    run(recipe_cmd("ppo.py", ["--config", "recipes/configs/ppo_tiny.yaml", "--output_dir", str(out),
+                              "--max_steps", "2", "--prompts_per_step", "4", "--max_completion_length", "24",
+                              "--dataset_test_split", "none", "--logging_steps", "1",
+                              "--environment_factory", "examples/environments.py:KindFeedback"]), timeout=240)
+    rows = [r for r in metrics(out) if "reward/mean" in r]
+    assert len(rows) == 2 and all("episode/turns" in r and r["episode/turns"] >= 1 for r in rows), rows

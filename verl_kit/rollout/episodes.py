@@ -76,7 +76,6 @@ class Episodes:
         self.max_iterations, self.tool_timeout_s = max_tool_calling_iterations, tool_timeout_s
         self.max_prompt_length, self.max_completion_length = max_prompt_length, max_completion_length
         self.native_tools = supports_tools(tokenizer)
-        self.per_sample_seeds = engine.per_sample_seeds
         probe = env_factory() if env_factory is not None else None
         self.has_tools = bool(self.tools) or (probe is not None and bool(environment_tools(probe)))
         self.has_respond = probe is not None and callable(getattr(probe, "respond", None))
