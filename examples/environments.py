@@ -1,7 +1,9 @@
 """Example environments for multi-turn GRPO (docs/environments.md), in TRL's environment API: copy one and edit it.
 
     python recipes/grpo.py --environment_factory examples/environments.py:KindFeedback      # the tiny model
-    python recipes/grpo.py --model_name_or_path smollm2-135m --dataset_name arith \\
+    python -m verl_kit.data.tasks arith --lo 100 --hi 999 --ops '*' --out data/arith_tool \\
+        --instruction "Use the calculate tool if it helps, then reply with only the number."
+    python recipes/grpo.py --model_name_or_path smollm2-135m --dataset_name data/arith_tool \\
         --environment_factory examples/environments.py:Calculator --reward_fn none ...      # the real model
     python recipes/grpo.py --tools examples/environments.py:calculate ...                  # a plain tool function
 

@@ -98,6 +98,25 @@ def test_tool_calls_failures_and_timeout_are_counted(tokenizer):
     assert ro.response_mask[0, :n1].all() and ro.env_mask[0, n1:k - len(ro.prompt_ids[0])].all()
 
 
+def test_calculator_example_environment(tokenizer):
+    """examples/environments.py:Calculator as --environment_factory loads it: the model's call to `calculate` gets
+    924 * 607 = 560868 back, its final reply is checked against the row's answer by get_reward (1, then 0 for a
+    wrong reply), and a reward of the environment alone is allowed (--reward_fn none)."""
+    from verl_kit.rewards import Rewards
+    from verl_kit.rollout.tools import load_object
+
+    env = load_object("environment_factory", "examples/environments.py:Calculator")
+    row = {"prompt": [{"role": "user", "content": "What is 924 * 607?"}], "answer": "560868"}
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "924 * 607"}}</tool_call>'
+    for final, reward in (("560868", 1.0), ("560000", 0.0)):
+        ro = Episodes(Scripted(tokenizer, [call, final]), tokenizer, "tiny-llama", env_factory=env,
+                      max_prompt_length=1024, max_completion_length=400).run([row], [1], SamplingParams())
+        assert ro.episodes[0]["messages"][-2]["content"] == "<tool_response>\n560868\n</tool_response>"
+        assert ro.env_reward.tolist() == [reward] and ro.episodes[0]["tool_calls"] == 1
+        scores = Rewards("none", None, None, tokenizer=tokenizer, env_reward=True).of_rollout([row], ro)
+        assert scores.tolist() == [reward]
+
+
 class Raising:
     def reset(self, **row):
         raise KeyError("level")
@@ -226,19 +245,19 @@ class TRLStyleEnv:
 
 
 def test_trl_style_environment_runs_through_grpo(tmp_path):
-    """The class above, unchanged, through recipes/grpo.py on the tiny model with HF generate for 2 steps: the run
-    ends, get_reward's 10 is added to the kind-reply reward (so reward/mean >= 10), the tool metrics are logged and
-    samples.jsonl holds whole episodes with their messages."""
+    """The class above, unchanged, through recipes/grpo.py on the tiny model with HF generate for 1 step (a whole
+    update): the run ends, get_reward's 10 is added to the kind-reply reward (so reward/mean >= 10), the tool metrics
+    are logged and samples.jsonl holds whole episodes with their messages."""
     env_file = tmp_path / "env.py"
     env_file.write_text("import json\n\n" + __import__("inspect").getsource(TRLStyleEnv))
     out = tmp_path / "run"
     run(recipe_cmd("grpo.py", ["--config", "recipes/configs/grpo_tiny.yaml", "--output_dir", str(out),
-                               "--max_steps", "2", "--prompts_per_step", "2", "--num_generations", "2",
+                               "--max_steps", "1", "--prompts_per_step", "2", "--num_generations", "2",
                                "--max_completion_length", "8", "--max_prompt_length", "400", "--max_length", "512",
                                "--dataset_test_split", "none", "--logging_steps", "1",
                                "--environment_factory", f"{env_file}:TRLStyleEnv"]), timeout=240)
     rows = [r for r in metrics(out) if "reward/mean" in r]
-    assert len(rows) == 2 and all(r["reward/mean"] >= 10 for r in rows), rows
+    assert len(rows) == 1 and rows[0]["reward/mean"] >= 10, rows
     assert all(k in rows[-1] for k in ("tools/call_frequency", "tools/failure_frequency", "episode/turns",
                                        "episode/env_token_share"))
     sample = json.loads((out / "samples.jsonl").read_text().splitlines()[-1])

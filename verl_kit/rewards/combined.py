@@ -25,7 +25,7 @@ class Rewards:
     responses cut at max length. Bad weights are a one-line UserError naming the flags."""
 
     def __init__(self, specs: str | None, reward_model: RewardModel | None, weights: str | None,
-                 missing_eos_penalty: float = 0.0, tokenizer=None):
+                 missing_eos_penalty: float = 0.0, tokenizer=None, env_reward: bool = False):
         self.fns = [(s, load_reward_fn(s)) for s in (specs or "").split(",") if s.strip() not in ("", "none")]
         self.reward_model, self.missing_eos_penalty = reward_model, missing_eos_penalty
         self.tokenizer = tokenizer  # the policy's: of_rollout decodes responses with it
@@ -34,7 +34,7 @@ class Rewards:
             self.weights = [float(w) for w in weights.split(",")] if weights else [1.0] * n
         except ValueError:
             raise UserError(f"--reward_weights {weights!r}: expected comma-separated numbers") from None
-        if n == 0 or len(self.weights) != n:
+        if (n == 0 and not env_reward) or len(self.weights) != n:  # env_reward: an environment's get_reward
             raise UserError(f"--reward_weights: {len(self.weights)} weight(s) for {n} reward source(s) "
                             "(--reward_fn entries, then --reward_model_name_or_path)")
 
@@ -44,7 +44,8 @@ class Rewards:
         passed to the reward functions that take them; `completion_ids`: each response's token ids, likewise."""
         sources = [call_reward_fn(name, fn, prompts, completions, columns, completion_ids) for name, fn in self.fns]
         sources += [self.reward_model.score(prompts, completions)] if self.reward_model else []
-        return truncation_penalty(weighted_sum(sources, self.weights), truncated, self.missing_eos_penalty)
+        total = weighted_sum(sources, self.weights) if sources else torch.zeros(len(completions))
+        return truncation_penalty(total, truncated, self.missing_eos_penalty)
 
     def of_rollout(self, rows: list[dict], rollout) -> torch.Tensor:
         """Scores (B,) of a rollout.Rollout's responses, decoded with the policy's tokenizer (special tokens
@@ -105,7 +106,8 @@ def make_rewards(cfg: OnlineConfig, accelerator, tokenizer) -> Rewards:
     if cfg.reward_model_name_or_path:
         reward_model = load_reward_model(cfg.reward_model_name_or_path, lambda load: frozen(accelerator, load),
                                          accelerator.device, cfg.max_length, cfg.per_device_eval_batch_size)
-    return Rewards(cfg.reward_fn, reward_model, cfg.reward_weights, cfg.missing_eos_penalty, tokenizer)
+    return Rewards(cfg.reward_fn, reward_model, cfg.reward_weights, cfg.missing_eos_penalty, tokenizer,
+                   env_reward=bool(cfg.environment_factory))
 
 
 def load_reward_model(path: str, load_frozen, device, max_length: int, batch_size: int) -> RewardModel:
