@@ -72,18 +72,21 @@ def _zero3(out, *extra):
     return launch_cmd("zero3.yaml", 2, "grpo.py", [
         "--config", TINY, "--output_dir", str(out), "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1",
         "--prompts_per_step", "8", "--num_iterations", "2", "--num_mini_batches", "2", "--max_tokens_per_microbatch",
-        "200", "--loss_type", "grpo", *extra])
+        "200", "--loss_type", "grpo", "--environment_factory", "examples/environments.py:KindFeedback",
+        "--max_completion_length", "24", *extra])
 
 
 @pytest.mark.slow
 def test_grpo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path):
     """2 processes, ZeRO-3 (actor engine, sharded reference), 2 passes x 2 minibatches per rollout (old log-probs
-    recomputed), token-budget micro-batches, per-response loss means (`--loss_type grpo`). Run A goes straight
-    to step 4; run B is SIGKILLed once checkpoint-2 is complete and resumed with `auto`: its final weights equal A's
-    bit for bit, and so do the metrics of steps 3-4."""
+    recomputed), token-budget micro-batches, per-response loss means (`--loss_type grpo`), every sample a
+    multi-turn episode of the example feedback environment (docs/environments.md). Run A goes straight to step 4;
+    run B is SIGKILLed once checkpoint-2 is complete and resumed with `auto`: its final weights equal A's bit for
+    bit, and so do the metrics of steps 3-4."""
     a, b = tmp_path / "a", tmp_path / "b"
     assert_resume_bit_identical(_zero3, a, b, 2, compare_steps=(3, 4), ignore=("learning_rate",))
     wa, w0 = load_weights(a / "final"), load_weights(tiny_model_path)
     assert all(not torch.equal(w0[k], wa[k]) for k in wa)  # every tensor was trained
     assert sorted(numbers(b)) == [0, 1, 2, 3, 4]  # step 0: the held-out evaluation before any update
     assert numbers(a)[4]["actor/approx_kl"] > 0  # the second pass sees a changed policy
+    assert all(numbers(a)[s]["episode/turns"] >= 1 for s in (1, 2, 3, 4))

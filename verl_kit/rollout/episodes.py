@@ -78,7 +78,6 @@ class Episodes:
         self.native_tools = supports_tools(tokenizer)
         probe = env_factory() if env_factory is not None else None
         self.has_tools = bool(self.tools) or (probe is not None and bool(environment_tools(probe)))
-        self.has_respond = probe is not None and callable(getattr(probe, "respond", None))
         if probe is not None and not callable(getattr(probe, "reset", None)):
             raise UserError(f"--environment_factory {type(probe).__name__}: an environment must define reset(**row)")
         check_prefix_property(tokenizer, model_name, self.has_tools and self.native_tools)
