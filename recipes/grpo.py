@@ -141,7 +141,7 @@ def main():
     reward = make_rewards(cfg, accelerator, tokenizer)  # reward functions and/or a frozen reward model, weighted
     # the --rollout backend, synchronous or (--async_rollout) generating ahead; resumed and synced: the first step
     rollouts, start = start_rollouts(cfg, accelerator, actor.unwrapped(), model_path, tokenizer, train.ids,
-                                     total_steps)
+                                     total_steps, rows=train.rows)  # rows: multi-turn episodes start from them
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
     def score(ro):  # sequence scores (B,) of a rollout's responses, each against its dataset row
@@ -179,7 +179,7 @@ def main():
         lengths = mask.sum(-1)
         # --mask_truncated_completions: responses without EOS weigh 0 and leave the loss's token/response counts
         keep = ~ro.truncated if cfg.mask_truncated_completions else torch.ones(B, dtype=torch.bool)
-        costs = [len(p) + int(n) for p, n in zip(ro.prompt_ids, lengths)]
+        costs = [len(p) + int(n) for p, n in zip(ro.prompt_ids, ro.sequence_mask.sum(-1))]  # + environment tokens
         with timer("ref"):
             chunks = micro_batches(cfg, list(range(B)), costs)
             ref_logprobs = packed.logprobs(ref, ro, chunks, device) if ref is not None else None

@@ -121,7 +121,7 @@ def main():
     reward = make_rewards(cfg, accelerator, tokenizer)  # reward functions and/or a frozen reward model, weighted
     # the --rollout backend, synchronous or (--async_rollout) generating ahead; resumed and synced: the first step
     rollouts, start = start_rollouts(cfg, accelerator, actor.unwrapped(), model_path, tokenizer, train.ids,
-                                     total_steps)
+                                     total_steps, rows=train.rows)  # rows: multi-turn episodes start from them
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
 
     if start == 0 and test.ids:  # held out: --num_generations_eval responses per prompt, same rewards, no KL term
@@ -142,7 +142,7 @@ def main():
 
         # 3. old log-probs (the actor before this update), reference log-probs and values
         lengths = mask.sum(-1)
-        costs = [len(p) + int(n) for p, n in zip(ro.prompt_ids, lengths)]
+        costs = [len(p) + int(n) for p, n in zip(ro.prompt_ids, ro.sequence_mask.sum(-1))]  # + environment tokens
         chunks = micro_batches(cfg, list(range(B)), costs)
         with timer("ref"):
             old_logprobs = (ro.sampling_logprobs if cfg.old_logprobs == "rollout"

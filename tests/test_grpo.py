@@ -72,17 +72,19 @@ def _zero3(out, *extra):
     return launch_cmd("zero3.yaml", 2, "grpo.py", [
         "--config", TINY, "--output_dir", str(out), "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1",
         "--prompts_per_step", "8", "--num_iterations", "2", "--num_mini_batches", "2", "--max_tokens_per_microbatch",
-        "200", "--loss_type", "grpo", "--dynamic_sampling", "--max_num_gen_batches", "3", *extra])
+        "200", "--loss_type", "grpo", "--dynamic_sampling", "--max_num_gen_batches", "3",
+        "--environment_factory", "examples/environments.py:KindFeedback", "--max_completion_length", "24", *extra])
 
 
 @pytest.mark.slow
 def test_grpo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path):
     """2 processes, ZeRO-3 (actor engine, sharded reference), 2 passes x 2 minibatches per rollout (old log-probs
-    recomputed), token-budget micro-batches, per-response loss means (`--loss_type grpo`), DAPO's dynamic sampling
-    (the random model's groups mostly score all 0: flat ones are dropped and up to 2 more batches generated, each
-    rank keeping as many groups as the other). Run A goes straight to step 4; run B is SIGKILLed once checkpoint-2
-    is complete and resumed with `auto`: its final weights equal A's bit for bit, and so do the metrics of steps
-    3-4."""
+    recomputed), token-budget micro-batches, per-response loss means (`--loss_type grpo`), every sample a
+    multi-turn episode of the example feedback environment (docs/environments.md), DAPO's dynamic sampling (the
+    random model's groups mostly score all 0: flat ones are dropped and up to 2 more batches of episodes generated,
+    each rank keeping as many groups as the other). Run A goes straight to step 4; run B is SIGKILLed once
+    checkpoint-2 is complete and resumed with `auto`: its final weights equal A's bit for bit, and so do the metrics
+    of steps 3-4."""
     a, b = tmp_path / "a", tmp_path / "b"
     assert_resume_bit_identical(_zero3, a, b, 2, compare_steps=(3, 4), ignore=("learning_rate",))
     wa, w0 = load_weights(a / "final"), load_weights(tiny_model_path)
@@ -95,3 +97,4 @@ def test_grpo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path
         assert r["rollout/groups_generated"] == 8 * r["rollout/gen_batches"] and r["rollout/groups_kept"] % 2 == 0
         assert r["rollout/groups_kept"] <= 8 and r["rollout/gen_batches"] <= 3
         assert r["reward/frac_zero_std"] == 0 or r["rollout/groups_kept"] == 0
+        assert r["episode/turns"] >= 1

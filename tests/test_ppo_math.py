@@ -94,6 +94,27 @@ def test_kl_estimators():
         kl_estimate(logp, ref, "k2")
 
 
+def test_multi_turn_gae_skips_environment_tokens():
+    """One episode: sampled, environment, sampled: mask [1, 0, 1], rewards [0, 5, 1], values [0.5, 9, 0.25].
+    gamma = lambda = 0.5. t=2: delta = 1 - 0.25 = 0.75, A = 0.75. t=1 (environment) skipped: its reward 5 and value 9
+    are ignored and A = 0. t=0: delta = 0 + 0.5 * 0.25 - 0.5 = -0.375, A = -0.375 + 0.25 * 0.75 = -0.1875.
+    verl's test_multi_turn_compute_gae_advantage_return property also holds: the values and rewards at environment
+    positions (here random) do not change anything. The score goes on the last sampled token (token_rewards)."""
+    mask = torch.tensor([[True, False, True]])
+    out = gae(torch.tensor([[0.0, 5.0, 1.0]]), torch.tensor([[0.5, 9.0, 0.25]]), mask, 0.5, 0.5)
+    torch.testing.assert_close(out, torch.tensor([[-0.1875, 0.0, 0.75]]))
+    rewards = torch.tensor([[0.0, 0.0, 0.1, 0.1, 0.1, 0.0, 0.0, 0.1, 1.0, 0.0, 0.0]])
+    m = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 0]], dtype=torch.bool)
+    values = torch.tensor([[0.0, 0.0, 4.0, 5.0, 6.0, 0.0, 0.0, 7.0, 9.0, 0.0, 0.0]])
+    noisy = torch.where(m, values, torch.randn(values.shape) * 100)
+    torch.testing.assert_close(gae(rewards + ~m * torch.randn(m.shape), noisy, m, 0.9, 0.7),
+                               gae(rewards, values, m, 0.9, 0.7))
+    scored = token_rewards(torch.tensor([2.0]), torch.zeros(1, 4), torch.tensor([[True, True, False, False]]), 0.1)
+    torch.testing.assert_close(scored, torch.tensor([[0.0, 2.0, 0.0, 0.0]]))
+    holes = token_rewards(torch.tensor([2.0]), torch.zeros(1, 4), torch.tensor([[True, False, True, False]]), 0.1)
+    torch.testing.assert_close(holes, torch.tensor([[0.0, 0.0, 2.0, 0.0]]))
+
+
 def test_token_rewards_and_truncation_penalty():
     """kl_coef 0.5: every real token gets -0.5 * kl, the last real token also the score.
     Row 0: kl [0.1, 0.2, 0.3], score 1 -> [-0.05, -0.1, -0.15 + 1 = 0.85].

@@ -138,6 +138,11 @@ if __name__ == "__main__":
             out["errors"].append("")
         except RuntimeError as e:
             out["errors"].append(str(e))
+    from test_episodes import short_turns, vllm_episodes  # multi-turn episodes on this engine, token-exact
+    fresh = load_hf(path)
+    short_turns(fresh, tok)
+    engine.load_weights(fresh, version=2)
+    out["episodes"] = vllm_episodes(engine, tok)
     engine.close()
     print("RESULT " + json.dumps(out), flush=True)
 '''
@@ -164,6 +169,7 @@ def test_colocated_generate_sync_probe():
     assert out["moved"][0] > 1e-2 and abs(out["moved"][0] - out["moved"][1]) < 1e-4  # the engine followed the update
     assert "had no effect" in out["errors"][0] and "had no effect" in out["errors"][1], out["errors"]
     assert out["env_left"] == []  # the engine's CPU settings do not reach processes started later
+    assert out["episodes"]["continued"] >= 2, out["episodes"]  # tests/test_episodes.py: episode_is_token_exact
 
 
 # ---- the session's shared server (conftest.vllm_server) ---------------------------------------------------------

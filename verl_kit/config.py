@@ -182,6 +182,17 @@ class OnlineConfig(TrainConfig, RolloutConfig):
         "help": "upper clip epsilon: the ratio is clipped to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher, "
                 "which uses 0.28); >= cliprange; unset: cliprange (symmetric). With GRPO's --loss_type cispo: the "
                 "cap of the importance weight itself (ScaleRL uses 5.0)"})
+    environment_factory: str | None = field(default=None, metadata={
+        "help": "multi-turn episodes (docs/environments.md): module:Class or path/to/file.py:Class, one instance per "
+                "episode with TRL's API: reset(**row), public methods as tools, optional get_reward() and "
+                "respond(text)"})
+    tools: str | None = field(default=None, metadata={
+        "help": "comma-separated tool functions, module:function or path/to/file.py:function (TRL's `tools`)"})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={
+        "help": "rounds of tool calls per episode; unset: until the model stops calling or the episode reaches "
+                "--max_completion_length (which bounds the whole episode)"})
+    tool_timeout_s: float | None = field(default=60.0, metadata={
+        "help": "a tool call running longer is cut: the model sees an error as its result"})
     num_generations_eval: int = field(default=1, metadata={
         "help": "held-out evaluation: responses sampled per prompt; above 1 also logs eval/pass@k for k = 1, 2, "
                 "4, ... <= n (unbiased estimator, Chen et al. 2021)"})

@@ -31,9 +31,11 @@ def truncation_penalty(scores: torch.Tensor, truncated: torch.Tensor, penalty: f
 
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
     """Per-token rewards (B, R): -kl_coef * kl on every response token, plus the sequence score on its last token
-    (Ziegler et al. 2019, eq. 2; Stiennon et al. 2020). scores (B,), kl (B, R), mask (B, R)."""
+    (Ziegler et al. 2019, eq. 2; Stiennon et al. 2020). scores (B,), kl (B, R), mask (B, R); the mask may have holes
+    (a multi-turn episode's environment tokens), the score goes on its last True (column 0 for an empty row)."""
     rewards = -kl_coef * kl * mask
-    last = mask.long().sum(-1).clamp(min=1) - 1
+    R = mask.shape[1]
+    last = torch.where(mask.any(-1), R - 1 - mask.long().flip(-1).argmax(-1), 0)
     return rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
 
 
@@ -43,7 +45,11 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
     delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1}, with V and A zero past the last
     response token, so the episode ends there. Returns are A + V (the critic's target).
+    Positions outside `mask` inside a response (a multi-turn episode's environment tokens) are skipped: t+1 is the
+    next masked token, and their values and rewards are ignored (verl's multi-turn GAE); for a mask that is a prefix
+    of each row this is plain GAE.
     """
+    mask = mask.bool()
     values = values * mask
     rewards = rewards * mask
     R = rewards.shape[1]
@@ -52,9 +58,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     next_value = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(R)):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_adv = delta + gamma * lam * next_adv
-        adv[:, t] = next_adv
-        next_value = values[:, t]
+        a = delta + gamma * lam * next_adv
+        adv[:, t] = a
+        next_adv = torch.where(mask[:, t], a, next_adv)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
     return adv * mask
 
 

@@ -4,7 +4,10 @@ seed.
 arith   "What is 17 + 25? Reply with only the number." (operands 1..30): chat-message `prompt`, reference `answer` (a
         string, "42"). 128 held-out problems (test.jsonl) never appear in train.jsonl (3000 rows drawn from the other
         772 problems, each 3-4 times). Scored with `verl_kit.rewards:final_number`. Regenerate the shipped files with
-        `python -m verl_kit.data.tasks arith`; recipes/configs/grpo_arith.yaml trains on it.
+        `python -m verl_kit.data.tasks arith`; recipes/configs/grpo_arith.yaml trains on it. Multi-digit problems for
+        the calculator tool (examples/environments.py, docs/environments.md): `python -m verl_kit.data.tasks arith
+        --lo 100 --hi 999 --ops '*' --out data/arith_tool --instruction "Use the calculate tool if it helps, then
+        reply with only the number."`.
 
 Why this task for SmolLM2-135M-Instruct (measured with vLLM on the 128 held-out prompts, final_number as the
 scorer): the model knows the form and often the sum ("14 + 9 = 23"), but not reliably: greedy it is right on 0.33 of
@@ -83,10 +86,14 @@ def main(argv: list[str] | None = None) -> None:
     arith.add_argument("--n_train", type=int, default=3000)
     arith.add_argument("--n_test", type=int, default=128)
     arith.add_argument("--seed", type=int, default=0)
-    arith.add_argument("--hi", type=int, default=30, help="largest operand (operands are 1..hi)")
+    arith.add_argument("--hi", type=int, default=30, help="largest operand (operands are lo..hi)")
+    arith.add_argument("--lo", type=int, default=1, help="smallest operand")
+    arith.add_argument("--ops", default="+", help="operators to draw from, e.g. '+*'")
+    arith.add_argument("--instruction", default=ARITH_INSTRUCTION, help="text after the question")
     args = parser.parse_args(argv)
     if args.task == "arith":
-        n_train, n_test = write_arith(args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, hi=args.hi)
+        n_train, n_test = write_arith(args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, hi=args.hi,
+                                      lo=args.lo, ops=args.ops, instruction=args.instruction)
         print(f"wrote {n_train} train and {n_test} test rows to {args.out}")
 
 

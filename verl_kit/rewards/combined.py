@@ -26,7 +26,8 @@ class Rewards:
     functions' timeout, concurrency and fallback (CallLimits), and their counts (metrics())."""
 
     def __init__(self, specs: str | None, reward_model: RewardModel | None, weights: str | None,
-                 missing_eos_penalty: float = 0.0, tokenizer=None, limits: CallLimits | None = None):
+                 missing_eos_penalty: float = 0.0, tokenizer=None, limits: CallLimits | None = None,
+                 env_reward: bool = False):
         self.fns = [(s, load_reward_fn(s)) for s in (specs or "").split(",") if s.strip() not in ("", "none")]
         self.limits = limits or CallLimits()
         self.reward_model, self.missing_eos_penalty = reward_model, missing_eos_penalty
@@ -36,7 +37,7 @@ class Rewards:
             self.weights = [float(w) for w in weights.split(",")] if weights else [1.0] * n
         except ValueError:
             raise UserError(f"--reward_weights {weights!r}: expected comma-separated numbers") from None
-        if n == 0 or len(self.weights) != n:
+        if (n == 0 and not env_reward) or len(self.weights) != n:  # env_reward: an environment's get_reward
             raise UserError(f"--reward_weights: {len(self.weights)} weight(s) for {n} reward source(s) "
                             "(--reward_fn entries, then --reward_model_name_or_path)")
 
@@ -47,7 +48,8 @@ class Rewards:
         sources = [call_reward_fn(name, fn, prompts, completions, columns, completion_ids, self.limits)
                    for name, fn in self.fns]
         sources += [self.reward_model.score(prompts, completions)] if self.reward_model else []
-        return truncation_penalty(weighted_sum(sources, self.weights), truncated, self.missing_eos_penalty)
+        total = weighted_sum(sources, self.weights) if sources else torch.zeros(len(completions))
+        return truncation_penalty(total, truncated, self.missing_eos_penalty)
 
     def metrics(self) -> dict[str, float]:
         """reward/timeouts and reward/errors: the responses scored by --reward_fallback since the run (or its resume)
@@ -63,8 +65,10 @@ class Rewards:
         (the responses' token ids)."""
         ids = [r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)]
         completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        return self([r["prompt"] for r in rows], completions, rollout.truncated, reward_columns(rows),
-                    completion_ids=[x.tolist() for x in ids])
+        scores = self([r["prompt"] for r in rows], completions, rollout.truncated, reward_columns(rows),
+                      completion_ids=[x.tolist() for x in ids])
+        # multi-turn: the environment's get_reward() is one more source, weight 1 (TRL's environment reward)
+        return scores if rollout.env_reward is None else scores + rollout.env_reward
 
 
 class RewardModel:
@@ -115,7 +119,8 @@ def make_rewards(cfg: OnlineConfig, accelerator, tokenizer) -> Rewards:
         reward_model = load_reward_model(cfg.reward_model_name_or_path, lambda load: frozen(accelerator, load),
                                          accelerator.device, cfg.max_length, cfg.per_device_eval_batch_size)
     limits = CallLimits(cfg.reward_timeout_s, cfg.reward_fallback, cfg.reward_max_concurrency)
-    return Rewards(cfg.reward_fn, reward_model, cfg.reward_weights, cfg.missing_eos_penalty, tokenizer, limits)
+    return Rewards(cfg.reward_fn, reward_model, cfg.reward_weights, cfg.missing_eos_penalty, tokenizer, limits,
+                   env_reward=bool(cfg.environment_factory))
 
 
 def load_reward_model(path: str, load_frozen, device, max_length: int, batch_size: int) -> RewardModel:

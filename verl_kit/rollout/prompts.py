@@ -36,7 +36,10 @@ def load_prompt_splits(cfg: OnlineConfig, tokenizer) -> tuple[Prompts, Prompts]:
 
 
 def rollout_metrics(ro: Rollout, scores: torch.Tensor, step_seconds: float) -> dict:
-    """reward/*, response_length/* and perf/tokens_per_s of a step's rollouts on all processes (collective)."""
+    """reward/*, response_length/* and perf/tokens_per_s of a step's rollouts on all processes (collective); for
+    multi-turn episodes also TRL's tools/call_frequency (tool calls per episode) and tools/failure_frequency (failed
+    calls per call), episode/turns (assistant turns per episode) and episode/env_token_share (the response tokens the
+    environment inserted). response_length counts the sampled tokens."""
     lengths = ro.response_mask.sum(-1)
     t = reduce_metrics({"n": len(scores), "score": scores.sum(), "score_sq": (scores ** 2).sum(),
                         "tokens": lengths.sum(), "truncated": ro.truncated.sum(),
@@ -45,7 +48,20 @@ def rollout_metrics(ro: Rollout, scores: torch.Tensor, step_seconds: float) -> d
     return {"reward/mean": mean, "reward/std": max(t["score_sq"] / n - mean ** 2, 0.0) ** 0.5,
             "response_length/mean": t["tokens"] / n, "response_length/max": t["max_length"],
             "response_length/clip_ratio": t["truncated"] / n,
-            "perf/tokens_per_s": (t["tokens"] + t["prompt_tokens"]) / step_seconds}
+            "perf/tokens_per_s": (t["tokens"] + t["prompt_tokens"]) / step_seconds, **episode_metrics(ro)}
+
+
+def episode_metrics(ro: Rollout) -> dict:
+    """tools/*, episode/* of a multi-turn batch over all processes (collective); {} for single-turn rollouts."""
+    if ro.episodes is None:
+        return {}
+    t = reduce_metrics({"n": len(ro.episodes), "calls": sum(e["tool_calls"] for e in ro.episodes),
+                        "failures": sum(e["tool_failures"] for e in ro.episodes),
+                        "turns": sum(e["turns"] for e in ro.episodes), "env": ro.env_mask.sum(),
+                        "all": ro.sequence_mask.sum()})
+    return {"tools/call_frequency": t["calls"] / t["n"],
+            "tools/failure_frequency": t["failures"] / t["calls"] if t["calls"] else 0.0,
+            "episode/turns": t["turns"] / t["n"], "episode/env_token_share": t["env"] / max(t["all"], 1)}
 
 
 def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[list[int]]:
@@ -86,8 +102,9 @@ def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score,
         for i in progress(starts, "eval", len(starts), accelerator.is_main_process):
             idx = mine[i:i + batch_size]
             first = (rank + world * i) * params.n  # this batch's first response, over all processes
-            ro = engine.generate([prompts[j] for j in idx],
-                                 replace(params, seed=params.sample_seed(first)))
+            episodes = {"rows": [rows[j] for j in idx], "row_numbers": [j + 1 for j in idx]} \
+                if getattr(engine, "episodes", None) is not None else {}  # multi-turn: episodes of the rows
+            ro = engine.generate([prompts[j] for j in idx], replace(params, seed=params.sample_seed(first)), **episodes)
             rows_of = [rows[j] for j in idx for _ in range(params.n)]
             scores = score(rows_of, ro).view(len(idx), params.n)
             real = torch.tensor([rank + world * (i + k) < n for k in range(len(idx))])  # not shard()'s wrap-around
@@ -111,7 +128,10 @@ def sample_rows(step: int, rows: list[dict], ro: Rollout, scores: torch.Tensor, 
     per response, optional)."""
     out = []
     for i in range(0, len(rows), max(1, len(rows) // k))[:k]:
-        text = tokenizer.decode(ro.response_ids[i][ro.response_mask[i]], skip_special_tokens=True)
+        # a multi-turn episode: the whole of it (environment tokens too) and its messages
+        text = tokenizer.decode(ro.response_ids[i][ro.sequence_mask[i]], skip_special_tokens=True)
         out.append({"step": step, "prompt": rows[i]["prompt"], "completion": text, "reward": float(scores[i]),
                     "reference": {c: v for c, v in rows[i].items() if c != "prompt"}, **(extra[i] if extra else {})})
+        if ro.episodes is not None:
+            out[-1]["messages"] = ro.episodes[i]["messages"]
     return out

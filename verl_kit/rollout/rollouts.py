@@ -37,6 +37,7 @@ import torch
 from verl_kit.algos.sampling import group_rows, informative_groups, select_groups
 from verl_kit.config import OnlineConfig
 from verl_kit.rollout.backends import make_backend, start_server
+from verl_kit.rollout.episodes import Episodes, make_episodes
 from verl_kit.rollout.prompts import Prompts, evaluate
 from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams, concat_rollouts, select_rows
 from verl_kit.rollout.vllm_server import ServerProcess
@@ -57,12 +58,14 @@ class Rollouts:
     def __init__(self, engine: RolloutBackend,
                  request: Callable[[int, int], tuple[list[int], list[list[int]], SamplingParams]], total_steps: int,
                  max_staleness: int | None = None, timeout_s: float = 1800, server: ServerProcess | None = None,
-                 eval_params: SamplingParams | None = None, pass_threshold: float = 1.0):
+                 eval_params: SamplingParams | None = None, pass_threshold: float = 1.0,
+                 episodes: Episodes | None = None, rows: list[dict] | None = None):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness {max_staleness}: use >= 0")
         self.engine, self.request, self.total_steps = engine, request, total_steps
         self.server, self.eval_params, self.pass_threshold = server, eval_params, pass_threshold
         self.ahead, self.timeout_s = max_staleness, timeout_s
+        self.episodes, self.rows = episodes, rows  # multi-turn: episodes of the dataset rows (rollout.episodes)
         self.version = 0  # of the weights the engine has
         self.batches: dict[int, tuple[Future, int]] = {}  # step -> (its rollout, the version that generates it)
         self._jobs: queue.Queue = queue.Queue()
@@ -103,7 +106,11 @@ class Rollouts:
             self.batches[step] = (self._call(self._generate, idx, prompts, params), self.version)
 
     def _generate(self, idx: list[int], prompts: list[list[int]], params: SamplingParams) -> Rollout:
-        return replace(self.engine.generate(prompts, params), prompt_index=[i for i in idx for _ in range(params.n)])
+        index = [i for i in idx for _ in range(params.n)]
+        if self.episodes is not None:  # one episode per sample, each from its dataset row
+            return replace(self.episodes.run([self.rows[i] for i in index], [i + 1 for i in index], params),
+                           prompt_index=index)
+        return replace(self.engine.generate(prompts, params), prompt_index=index)
 
     # ---- the trainer's side -------------------------------------------------------------------------------------
     def get(self, step: int) -> tuple[Rollout, int]:
@@ -119,8 +126,15 @@ class Rollouts:
         (those of the step's own batch when synchronous), in turn with the queued batches."""
         return self._wait(self._call(self._generate, *self.request(step, k)), f"batch {k} of step {step}")
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
-        """Generate now, in turn with the queued batches (held-out evaluation)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, rows: list[dict] | None = None,
+                 row_numbers: list[int] | None = None) -> Rollout:
+        """Generate now, in turn with the queued batches (held-out evaluation); with episodes, from `rows` (the dataset
+        rows of the prompts, numbered `row_numbers` for errors)."""
+        if self.episodes is not None and rows is not None:
+            rows_n = [r for r in rows for _ in range(params.n)]
+            numbers = [k for k in (row_numbers or range(1, len(rows) + 1)) for _ in range(params.n)]
+            return self._wait(self._call(self.episodes.run, rows_n, numbers, params, "the held-out split"),
+                              "an episode batch")
         return self._wait(self._call(self.engine.generate, prompts, params), "a generation")
 
     def evaluate(self, accelerator, split: Prompts, score, batch_size: int, extra=None) -> dict:
@@ -152,14 +166,16 @@ class Rollouts:
             ro = self._wait(future, f"the rollout of step {step}")
             out[step] = {"version": version, "prompt_ids": ro.prompt_ids, "response_ids": ro.response_ids,
                          "response_mask": ro.response_mask, "sampling_logprobs": ro.sampling_logprobs,
-                         "truncated": ro.truncated, "prompt_index": ro.prompt_index}
+                         "truncated": ro.truncated, "prompt_index": ro.prompt_index, "env_mask": ro.env_mask,
+                         "env_reward": ro.env_reward, "episodes": ro.episodes}
         return {"batches": out}
 
     def load_state_dict(self, state: dict) -> None:
         for step, b in state["batches"].items():
             future: Future = Future()
             future.set_result(Rollout(b["prompt_ids"], b["response_ids"], b["response_mask"], b["sampling_logprobs"],
-                                      b["truncated"], b.get("prompt_index")))
+                                      b["truncated"], b.get("prompt_index"), b.get("env_mask"), b.get("env_reward"),
+                                      b.get("episodes")))
             self.batches[int(step)] = (future, b["version"])
 
 
@@ -201,7 +217,7 @@ def sampling_params(cfg: OnlineConfig) -> SamplingParams:
 
 
 def start_rollouts(cfg: OnlineConfig, accelerator, actor, model_path: str, tokenizer, prompt_ids: list[list[int]],
-                   total_steps: int) -> tuple[Rollouts, int]:
+                   total_steps: int, rows: list[dict] | None = None) -> tuple[Rollouts, int]:
     """The online recipes' setup, in the one order that works: the `--rollout` backend (and the vLLM server a run
     starts for itself), its Rollouts (synchronous, or --async_rollout ahead by --max_staleness) over `prompt_ids`,
     resume from a checkpoint (with the batches generated ahead and not yet trained on), then the weight sync of the
@@ -209,11 +225,15 @@ def start_rollouts(cfg: OnlineConfig, accelerator, actor, model_path: str, token
 
     A step generates its prompts on this process (train.distributed.step_indices). The colocated engine seeds every
     sample from (seed, step, rank, index), so a resumed run draws the same ones, and evaluates with fixed seeds
-    (`Rollouts.eval_params`)."""
+    (`Rollouts.eval_params`). With --environment_factory or --tools, every sample is a multi-turn episode of its
+    dataset row (`rows`, rollout.episodes) on the same backend."""
     rank, world = accelerator.process_index, accelerator.num_processes
     server, url = start_server(cfg, accelerator, model_path)
     backend = make_backend(cfg, accelerator, actor, model_path, tokenizer, prompt_ids[:cfg.vllm_probe_size], url)
     sampling = sampling_params(cfg)
+    episodes = make_episodes(cfg, backend, tokenizer, cfg.model_name_or_path)
+    if episodes is not None and rows is None:
+        raise ValueError("start_rollouts: episodes need the dataset rows (rows=)")
 
     def seed(step: int, k: int = 0) -> int | None:
         return step_seed(cfg.seed + k, step, rank) if backend.per_sample_seeds else None
@@ -226,7 +246,8 @@ def start_rollouts(cfg: OnlineConfig, accelerator, actor, model_path: str, token
 
     rollouts = Rollouts(backend, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
                         cfg.rollout_timeout_s, server=server, pass_threshold=cfg.pass_threshold,
-                        eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)))
+                        eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)),
+                        episodes=episodes, rows=rows)
     start = resume(accelerator, cfg, per_rank=rollouts)
     rollouts.load_weights(actor, version=start)
     return rollouts, start

@@ -39,6 +39,13 @@ class Rollout:
     truncated          (B,) bool                  no EOS within max_new_tokens
     prompt_index       list of B ints or None     each response's prompt, as an index into the prompt list the
                                                   batch was asked from (set by rollout.Rollouts)
+    Multi-turn episodes (rollout.episodes) add, else None:
+    env_mask           (B, R) bool                True on the tokens the environment inserted (tool results,
+                                                  replies, the template's turn markers); the response is
+                                                  response_mask | env_mask, and response_mask (the loss mask, the
+                                                  sampling log-probs) covers only what the model sampled
+    env_reward         (B,) float32               each environment's get_reward() (0 without one)
+    episodes           list of B dicts            turns, tool_calls, tool_failures and the messages of each episode
     """
 
     prompt_ids: list[list[int]]
@@ -47,6 +54,14 @@ class Rollout:
     sampling_logprobs: torch.Tensor
     truncated: torch.Tensor
     prompt_index: list[int] | None = None
+    env_mask: torch.Tensor | None = None
+    env_reward: torch.Tensor | None = None
+    episodes: list[dict] | None = None
+
+    @property
+    def sequence_mask(self) -> torch.Tensor:
+        """(B, R) bool: every token of the response, sampled or inserted by the environment."""
+        return self.response_mask if self.env_mask is None else self.response_mask | self.env_mask
 
 
 @runtime_checkable
@@ -81,8 +96,12 @@ def concat_rollouts(batches: list[Rollout]) -> Rollout:
                           for b in batches])
 
     index = None if any(b.prompt_index is None for b in batches) else [i for b in batches for i in b.prompt_index]
+    episodes = any(b.episodes is not None for b in batches)  # multi-turn: every batch is episodes
     return Rollout([p for b in batches for p in b.prompt_ids], cat("response_ids"), cat("response_mask", False),
-                   cat("sampling_logprobs"), torch.cat([b.truncated for b in batches]), index)
+                   cat("sampling_logprobs"), torch.cat([b.truncated for b in batches]), index,
+                   env_mask=cat("env_mask", False) if episodes else None,
+                   env_reward=torch.cat([b.env_reward for b in batches]) if episodes else None,
+                   episodes=[e for b in batches for e in b.episodes] if episodes else None)
 
 
 def select_rows(ro: Rollout, rows: list[int]) -> Rollout:
@@ -90,4 +109,7 @@ def select_rows(ro: Rollout, rows: list[int]) -> Rollout:
     ix = torch.tensor(rows, dtype=torch.long)
     return Rollout([ro.prompt_ids[i] for i in rows], ro.response_ids[ix], ro.response_mask[ix],
                    ro.sampling_logprobs[ix], ro.truncated[ix],
-                   None if ro.prompt_index is None else [ro.prompt_index[i] for i in rows])
+                   None if ro.prompt_index is None else [ro.prompt_index[i] for i in rows],
+                   env_mask=None if ro.env_mask is None else ro.env_mask[ix],
+                   env_reward=None if ro.env_reward is None else ro.env_reward[ix],
+                   episodes=None if ro.episodes is None else [ro.episodes[i] for i in rows])

@@ -79,12 +79,14 @@ class ResponseIndex:
 
 def pack_responses(prompt_ids: list[list[int]], response_ids: torch.Tensor, response_mask: torch.Tensor,
                    rows: list[int], pad_id: int, packing: bool, packing_length: int,
-                   block_mask: bool, hidden_size: int | None = None) -> tuple[TokenBatch, ResponseIndex]:
+                   block_mask: bool, hidden_size: int | None = None,
+                   env_mask: torch.Tensor | None = None) -> tuple[TokenBatch, ResponseIndex]:
     """prompt + response of each rollout row in `rows`, packed (or padded, see packing.layout), response tokens
-    scored."""
-    lengths = response_mask.sum(-1).tolist()
+    scored. `env_mask` (multi-turn episodes): tokens the environment inserted, in the sequence but not scored."""
+    whole = response_mask if env_mask is None else response_mask | env_mask
+    lengths = whole.sum(-1).tolist()
     seqs = [prompt_ids[i] + response_ids[i, :lengths[i]].tolist() for i in rows]
-    masks = [[False] * len(prompt_ids[i]) + [True] * lengths[i] for i in rows]
+    masks = [[False] * len(prompt_ids[i]) + response_mask[i, :lengths[i]].tolist() for i in rows]
     batch = layout(seqs, masks, pad_id, packing=packing, packing_length=packing_length, block_mask=block_mask,
                    hidden_size=hidden_size)
     scored = batch.scored
@@ -119,7 +121,8 @@ class ResponsePacker:
 
     def __call__(self, rollout, rows: list[int]) -> tuple[TokenBatch, ResponseIndex]:
         return pack_responses(rollout.prompt_ids, rollout.response_ids, rollout.response_mask, rows, self.pad_id,
-                              self.cfg.packing, self.cfg.packing_length, self.block_mask, self.hidden_size)
+                              self.cfg.packing, self.cfg.packing_length, self.block_mask, self.hidden_size,
+                              rollout.env_mask)
 
     def logprobs(self, model, rollout, chunks: list[list[int]], device) -> torch.Tensor:
         """(B, R) log-probs of every response token under `model` at the sampling temperature (`cfg.temperature`)."""

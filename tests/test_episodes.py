@@ -1,0 +1,325 @@
+"""Multi-turn episodes (verl_kit.rollout.episodes): the prefix-property refusal, tool calls parsed, failed and timed out
+(counted, the episode goes on), `reset` raising in one line, a prompt too long with its tools, the trained token
+sequence equal to the engine's sampled ids plus the environment's (HF generate here, the vLLM server in the slow
+tier, colocated vLLM in tests/test_vllm.py's driver), and a TRL-style environment class running unchanged through
+recipes/grpo.py."""
+
+import copy
+import json
+import time
+
+import pytest
+import torch
+from helpers import metrics, recipe_cmd, run
+
+from verl_kit.errors import UserError
+from verl_kit.rollout import HFGenerateBackend, Rollout, SamplingParams
+from verl_kit.rollout.episodes import Episodes, check_prefix_property
+from verl_kit.rollout.prompts import episode_metrics
+from verl_kit.train.actor_critic import pack_responses
+
+ROW = {"prompt": [{"role": "user", "content": "Add two and three."}], "answer": "5"}
+
+
+class Scripted:
+    """A RolloutBackend test double that 'samples' scripted texts, one per call, and records what it was asked: the
+    component under test is the episode loop, not an engine."""
+
+    per_sample_seeds = False
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self.tokenizer, self.texts, self.prompts = tokenizer, list(texts), []
+
+    def generate(self, prompts, params):
+        self.prompts.append([list(p) for p in prompts])
+        ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        ids = torch.tensor([ids] * len(prompts))
+        return Rollout(prompts, ids, torch.ones_like(ids, dtype=torch.bool), torch.full(ids.shape, -0.5),
+                       torch.zeros(len(prompts), dtype=torch.bool))
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def boom() -> str:
+    """A tool that always raises."""
+    raise RuntimeError("kaput")
+
+
+def hang() -> str:
+    """A tool that hangs."""
+    time.sleep(3)
+    return "late"
+
+
+def test_prefix_property_refusal(tokenizer):
+    """The tiny template appends turn by turn and passes; one that writes the number of messages first rewrites the
+    text before every new turn and is refused at turn 2, naming the model."""
+    check_prefix_property(tokenizer, "tiny-llama", native_tools=False)
+    broken = copy.deepcopy(tokenizer)
+    broken.chat_template = ("{{ messages|length }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+                            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    with pytest.raises(UserError, match=r"^my-model: the chat template does not extend .* turn 2 \(assistant\)"):
+        check_prefix_property(broken, "my-model", native_tools=False)
+
+
+def test_tool_calls_failures_and_timeout_are_counted(tokenizer):
+    """Turn 1 makes 5 calls: add (ok), malformed JSON, an unknown tool, a raising tool and a hanging one (cut at
+    0.3 s). The model sees each result (TRL's {'error': ...} for the 4 failures), and the episode goes on to turn 2,
+    which calls nothing and ends it. call_frequency = 5 calls / 1 episode, failure_frequency = 4 / 5."""
+    turn1 = ('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+             '<tool_call>{"name": add</tool_call><tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+             '<tool_call>{"name": "boom", "arguments": {}}</tool_call>'
+             '<tool_call>{"name": "hang", "arguments": {}}</tool_call>')
+    engine = Scripted(tokenizer, [turn1, "5"])
+    eps = Episodes(engine, tokenizer, "tiny-llama", tools=[add, boom, hang], tool_timeout_s=0.3,
+                   max_prompt_length=1024, max_completion_length=1500)
+    t0 = time.time()
+    ro = eps.run([ROW], [1], SamplingParams())
+    assert time.time() - t0 < 2.5  # the hanging tool was not waited for
+    ep = ro.episodes[0]
+    assert (ep["turns"], ep["tool_calls"], ep["tool_failures"]) == (2, 5, 4)
+    results = [m["content"] for m in ep["messages"] if m["content"].startswith("<tool_response>")]  # fallback: user
+    assert "\n5\n" in results[0] and "not JSON" in results[1] and "Tool nope not found" in results[2]
+    assert "kaput" in results[3] and "timed out after 0.3 s" in results[4]
+    assert "<tools>" in tokenizer.decode(ro.prompt_ids[0]) and '"name": "add"' in tokenizer.decode(ro.prompt_ids[0])
+    m = episode_metrics(ro)
+    assert m["tools/call_frequency"] == 5 and m["tools/failure_frequency"] == 0.8 and m["episode/turns"] == 2
+    # the second call continued from the prompt + turn 1's tokens + the tool results' tokens, as ids
+    n1, k = len(tokenizer(turn1, add_special_tokens=False)["input_ids"]) + 1, len(engine.prompts[1][0])
+    assert engine.prompts[1][0] == ro.prompt_ids[0] + ro.response_ids[0][:k - len(ro.prompt_ids[0])].tolist()
+    assert ro.response_mask[0, :n1].all() and ro.env_mask[0, n1:k - len(ro.prompt_ids[0])].all()
+
+
+def test_calculator_example_environment(tokenizer):
+    """examples/environments.py:Calculator as --environment_factory loads it: the model's call to `calculate` gets
+    924 * 607 = 560868 back, its final reply is checked against the row's answer by get_reward (1, then 0 for a
+    wrong reply), and a reward of the environment alone is allowed (--reward_fn none)."""
+    from verl_kit.rewards import Rewards
+    from verl_kit.rollout.tools import load_object
+
+    env = load_object("environment_factory", "examples/environments.py:Calculator")
+    row = {"prompt": [{"role": "user", "content": "What is 924 * 607?"}], "answer": "560868"}
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "924 * 607"}}</tool_call>'
+    for final, reward in (("560868", 1.0), ("560000", 0.0)):
+        ro = Episodes(Scripted(tokenizer, [call, final]), tokenizer, "tiny-llama", env_factory=env,
+                      max_prompt_length=1024, max_completion_length=400).run([row], [1], SamplingParams())
+        assert ro.episodes[0]["messages"][-2]["content"] == "<tool_response>\n560868\n</tool_response>"
+        assert ro.env_reward.tolist() == [reward] and ro.episodes[0]["tool_calls"] == 1
+        scores = Rewards("none", None, None, tokenizer=tokenizer, env_reward=True).of_rollout([row], ro)
+        assert scores.tolist() == [reward]
+
+
+class Raising:
+    def reset(self, **row):
+        raise KeyError("level")
+
+
+def test_reset_raising_and_long_prompt_are_one_line(tokenizer):
+    eps = Episodes(Scripted(tokenizer, []), tokenizer, "tiny-llama", env_factory=Raising, max_prompt_length=64)
+    with pytest.raises(UserError, match=r"^Raising\.reset failed on dataset row 7: KeyError: 'level'$"):
+        eps.run([ROW], [7], SamplingParams())
+    eps = Episodes(Scripted(tokenizer, []), tokenizer, "tiny-llama", tools=[add], max_prompt_length=40)
+    with pytest.raises(UserError, match=r"^dataset row 3: the prompt with its tool descriptions is \d+ tokens, "
+                                        r"over --max_prompt_length 40"):
+        eps.run([ROW], [3], SamplingParams())
+
+
+class Again:
+    """Answers every assistant turn twice, then ends the episode."""
+
+    def reset(self, **row):
+        self.n = 0
+        return " Be brief."
+
+    def respond(self, text):
+        self.n += 1
+        return None if self.n > 2 else f"again {self.n}"
+
+
+class Recording:
+    """The real HF-generate backend, its every call and result kept."""
+
+    def __init__(self, engine):
+        self.engine, self.per_sample_seeds, self.calls = engine, engine.per_sample_seeds, []
+
+    def generate(self, prompts, params):
+        ro = self.engine.generate(prompts, params)
+        self.calls.append(([list(p) for p in prompts], ro))
+        return ro
+
+
+def episode_is_token_exact(ro, calls, pad) -> int:
+    """Replays the engine's calls: each call's prompt for an episode is exactly its prompt + its ids so far; the
+    sampled ids (and log-probs) of each turn come next in the trained sequence, then the environment's ids up to the
+    next call's prompt. The trained sequence (as the packer lays it out for the forward) must equal that byte for
+    byte, environment tokens outside the loss mask with sampling log-prob 0, the scored tokens the sampled ones.
+    Returns the number of turns that were followed by another."""
+    B = len(ro.prompt_ids)
+    final = [ro.response_ids[i][ro.sequence_mask[i]].tolist() for i in range(B)]
+    so_far, flags, lps = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
+    active, continued = list(range(B)), 0
+    for c, (prompts, out) in enumerate(calls):
+        assert len(prompts) == len(active)
+        nxt = []
+        for k, i in enumerate(active):
+            assert prompts[k] == ro.prompt_ids[i] + so_far[i]  # generation continued from the ids, not from text
+            keep = len(final[i]) - len(so_far[i])
+            ids = out.response_ids[k][out.response_mask[k]].tolist()[:keep]
+            so_far[i] += ids
+            flags[i] += [True] * len(ids)
+            lps[i] += out.sampling_logprobs[k][out.response_mask[k]].tolist()[:keep]
+            if len(final[i]) > len(so_far[i]):
+                nxt.append(i)
+        for k, i in enumerate(nxt):  # the environment's tokens: what the next call added after the sampled ids
+            env = calls[c + 1][0][k][len(ro.prompt_ids[i]) + len(so_far[i]):]
+            so_far[i] += env
+            flags[i] += [False] * len(env)
+            lps[i] += [0.0] * len(env)
+            continued += 1
+        active = nxt
+    assert not active
+    batch, index = pack_responses(ro.prompt_ids, ro.response_ids, ro.response_mask, list(range(B)), pad,
+                                  packing=False, packing_length=4096, block_mask=False, env_mask=ro.env_mask)
+    for i in range(B):
+        n = len(final[i])
+        assert final[i] == so_far[i], i
+        trained = batch.input_ids[i][batch.seq_ids[i] >= 0].tolist()
+        assert trained == ro.prompt_ids[i] + so_far[i]
+        assert ro.response_mask[i, :n].tolist() == flags[i] and ro.env_mask[i, :n].tolist() == [not f for f in flags[i]]
+        assert ro.sampling_logprobs[i, :n].tolist() == lps[i]
+        assert index.targets[index.row == i].tolist() == ro.response_ids[i][ro.response_mask[i]].tolist()
+    return continued
+
+
+def test_episode_tokens_exact_hf_generate(tiny_model_path, tokenizer):
+    """Episodes on the real HF-generate backend, the tiny model's EOS logit raised by 5 (a bias on the copy's output
+    layer) so that turns end and the environment answers: every trained sequence equals the engine's sampled ids
+    plus the template's tokens for the replies, env tokens unmasked and without sampling log-prob."""
+    from verl_kit.models import load_causal_lm
+
+    engine = HFGenerateBackend(load_causal_lm(tiny_model_path).eval(), tokenizer, "cpu", torch.float32)
+    head = engine.model.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    biased.weight.data.copy_(head.weight.data)
+    biased.bias.data.zero_()
+    biased.bias.data[tokenizer.eos_token_id] = 5.0
+    engine.model.lm_head = biased
+    rec = Recording(engine)
+    eps = Episodes(rec, tokenizer, "tiny-llama", env_factory=Again, max_prompt_length=64, max_completion_length=48)
+    torch.manual_seed(0)
+    ro = eps.run([ROW] * 6, [1] * 6, SamplingParams(max_new_tokens=48))
+    assert tokenizer.decode(ro.prompt_ids[0]).endswith("Add two and three. Be brief.<|end|><|assistant|>")
+    assert episode_is_token_exact(ro, rec.calls, tokenizer.pad_token_id) >= 2, "too few second turns to check"
+    replies = [tokenizer.decode(ro.response_ids[i][ro.env_mask[i]]) for i in range(6)]
+    assert any("<|user|>again 1<|end|><|assistant|>" in r for r in replies), replies
+    assert ro.sequence_mask.sum(-1).max() <= 48  # the whole episode within max_completion_length
+
+
+class TRLStyleEnv:
+    """Written for TRL's GRPOTrainer(environment_factory=...): reset(**kwargs), a tool method, get_reward."""
+
+    def reset(self, **kwargs):
+        assert "prompt" in kwargs and "chosen" in kwargs, kwargs  # the dataset row's columns
+        self.calls = 0
+        return None
+
+    def lookup(self, word: str) -> str:
+        """Look a word up.
+
+        Args:
+            word: the word
+        """
+        self.calls += 1
+        return word.upper()
+
+    def get_reward(self) -> float:
+        return 10.0
+
+
+def test_trl_style_environment_runs_through_grpo(tmp_path):
+    """The class above, unchanged, through recipes/grpo.py on the tiny model with HF generate for 1 step (a whole
+    update): the run ends, get_reward's 10 is added to the kind-reply reward (so reward/mean >= 10), the tool metrics
+    are logged and samples.jsonl holds whole episodes with their messages."""
+    env_file = tmp_path / "env.py"
+    env_file.write_text("import json\n\n" + __import__("inspect").getsource(TRLStyleEnv))
+    out = tmp_path / "run"
+    run(recipe_cmd("grpo.py", ["--config", "recipes/configs/grpo_tiny.yaml", "--output_dir", str(out),
+                               "--max_steps", "1", "--prompts_per_step", "2", "--num_generations", "2",
+                               "--max_completion_length", "8", "--max_prompt_length", "400", "--max_length", "512",
+                               "--dataset_test_split", "none", "--logging_steps", "1",
+                               "--environment_factory", f"{env_file}:TRLStyleEnv"]), timeout=240)
+    rows = [r for r in metrics(out) if "reward/mean" in r]
+    assert len(rows) == 1 and rows[0]["reward/mean"] >= 10, rows
+    assert all(k in rows[-1] for k in ("tools/call_frequency", "tools/failure_frequency", "episode/turns",
+                                       "episode/env_token_share"))
+    sample = json.loads((out / "samples.jsonl").read_text().splitlines()[-1])
+    assert sample["messages"][0]["role"] == "system" and "lookup" in sample["messages"][0]["content"]
+    assert sample["messages"][-1]["role"] == "assistant"
+
+
+# ---- the same check on the vLLM backends (slow) -----------------------------------------------------------------
+
+def short_turns(model, tokenizer, steps: int = 15) -> None:
+    """A few AdamW steps on a conversation of short assistant turns ("ok" then EOS), so that sampled turns end and the
+    environment gets to answer (the random tiny model almost never samples EOS)."""
+    turns = [{"role": "user", "content": ROW["prompt"][0]["content"] + " Be brief."}]
+    for k in (1, 2, 3):
+        turns += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"again {k}"}]
+    ids = torch.tensor([tokenizer.apply_chat_template(turns[:-1], tokenize=True, return_dict=False)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
+def vllm_episodes(engine, tokenizer) -> dict:
+    """6 seeded episodes of `Again` on `engine` (weights already synced): the token-exact replay's result."""
+    rec = Recording(engine)
+    eps = Episodes(rec, tokenizer, "tiny-llama", env_factory=Again, max_prompt_length=64, max_completion_length=48)
+    ro = eps.run([ROW] * 6, [1] * 6, SamplingParams(max_new_tokens=48, seed=7))
+    return {"continued": episode_is_token_exact(ro, rec.calls, tokenizer.pad_token_id),
+            "turns": [e["turns"] for e in ro.episodes]}
+
+
+@pytest.mark.slow
+def test_episode_tokens_exact_vllm_server(vllm_server, tokenizer, tiny_model_path):
+    """The same on the session's shared vLLM server (the client sends token ids; the weights are synced first)."""
+    from verl_kit.models import load_causal_lm
+    from verl_kit.rollout import VLLMServer
+
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_model_path)
+    short_turns(model, tokenizer)
+    client = VLLMServer(vllm_server.url, tokenizer, probe_prompts=[], probe_threshold=1e-3, max_retries=3,
+                        backoff_s=0.5, connect_timeout_s=5, request_timeout_s=120)
+    try:
+        client.load_weights(model, version=1)
+        out = vllm_episodes(client, tokenizer)
+    finally:
+        client.close()
+    print(out)
+    assert out["continued"] >= 2, out
+
+
+@pytest.mark.slow
+def test_ppo_runs_episodes(tmp_path):
+    """recipes/ppo.py on episodes of the example feedback environment (the `respond` path), 2 steps on HF generate:
+    the critic and GAE see sampled tokens only (verl_kit.algos.gae skips the environment's)."""
+    out = tmp_path / "run"
+    run(recipe_cmd("ppo.py", ["--config", "recipes/configs/ppo_tiny.yaml", "--output_dir", str(out),
+                              "--max_steps", "2", "--prompts_per_step", "4", "--max_completion_length", "24",
+                              "--dataset_test_split", "none", "--logging_steps", "1",
+                              "--environment_factory", "examples/environments.py:KindFeedback"]), timeout=240)
+    rows = [r for r in metrics(out) if "reward/mean" in r]
+    assert len(rows) == 2 and all("episode/turns" in r and r["episode/turns"] >= 1 for r in rows), rows

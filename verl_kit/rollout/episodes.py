@@ -1,0 +1,253 @@
+"""Multi-turn episodes over any rollout backend: the model calls tools or talks with an environment, and the tokens
+trained on are exactly the tokens the engine sampled plus those the environment inserted.
+
+An episode starts from a dataset row: one environment instance (`--environment_factory`), `reset(**row)` (its string
+appended to the last user message, as TRL), the prompt rendered with the tool schemas. Each turn the backend
+generates from the episode's token ids so far (never re-rendered text), through the RolloutBackend protocol, so HF
+generate, a colocated vLLM engine and a vLLM server all run the same loop. A turn that ends in EOS is read for tool
+calls (rollout.tools); their results, or the environment's `respond(text)` reply, enter as the tokens the chat
+template adds for those messages: rendered after a dummy user/assistant exchange, minus that exchange up to its
+EOS (TRL's `_get_tool_suffix_ids`). That is exact only for a template that extends a conversation by appending (the
+prefix property), checked once at start (`check_prefix_property`).
+
+`--max_completion_length` bounds the whole episode (sampled plus environment tokens, TRL's meaning); a turn cut by
+it, or an environment message that would not fit, ends the episode truncated. `--max_tool_calling_iterations` bounds
+the rounds of tool calls. The Rollout's response_mask covers only sampled tokens, env_mask the inserted ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from verl_kit.errors import UserError
+from verl_kit.rollout.tools import (
+    call_tool,
+    describe_tools,
+    environment_tools,
+    load_object,
+    parse_tool_calls,
+    supports_tools,
+    tool_schema,
+)
+from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams
+
+
+@dataclass
+class _Episode:
+    env: object | None
+    tools: dict
+    prompt: list[int]
+    messages: list[dict]  # the conversation as text, for samples.jsonl
+    ids: list[int] = field(default_factory=list)  # the response: sampled and environment tokens
+    sampled: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+    truncated: bool = False
+    turns: int = 0
+    tool_rounds: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+
+    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+        self.ids += ids
+        self.sampled += [logprobs is not None] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+def _call(fn, *args):
+    result = fn(*args)
+    return asyncio.run(result) if inspect.isawaitable(result) else result
+
+
+class Episodes:
+    """Runs episodes on `engine` (a RolloutBackend). `env_factory`: a class or callable making one environment per
+    episode, or None; `tools`: plain tool functions; `model_name`: for the one-line errors."""
+
+    def __init__(self, engine: RolloutBackend, tokenizer, model_name: str, env_factory=None, tools=(),
+                 max_tool_calling_iterations: int | None = None, tool_timeout_s: float | None = None,
+                 max_prompt_length: int = 512, max_completion_length: int = 64):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.env_factory, self.tools = env_factory, {t.__name__: t for t in tools}
+        self.max_iterations, self.tool_timeout_s = max_tool_calling_iterations, tool_timeout_s
+        self.max_prompt_length, self.max_completion_length = max_prompt_length, max_completion_length
+        self.native_tools = supports_tools(tokenizer)
+        probe = env_factory() if env_factory is not None else None
+        self.has_tools = bool(self.tools) or (probe is not None and bool(environment_tools(probe)))
+        if probe is not None and not callable(getattr(probe, "reset", None)):
+            raise UserError(f"--environment_factory {type(probe).__name__}: an environment must define reset(**row)")
+        check_prefix_property(tokenizer, model_name, self.has_tools and self.native_tools)
+
+    # ---- rendering --------------------------------------------------------------------------------------------
+    def _render(self, messages: list[dict], schemas: list[dict], **kw):
+        if schemas and self.native_tools:
+            kw["tools"] = schemas
+        return self.tokenizer.apply_chat_template(messages, **kw)
+
+    def _prompt(self, messages: list[dict], schemas: list[dict]) -> list[int]:
+        if schemas and not self.native_tools:  # the fallback: the tools described in the system message
+            text = describe_tools(schemas)
+            if messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text}
+            else:
+                messages.insert(0, {"role": "system", "content": text})
+        return list(self._render(messages, schemas, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+    def env_message(self, role: str, content: str, name: str | None = None) -> dict:
+        """A tool result as the template expects it: a `tool` message, or (fallback) a user message wrapping it in
+        <tool_response> as Hermes does; an environment reply is a user message."""
+        if role == "tool" and not self.native_tools:
+            return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        return {"role": role, "content": content, **({"name": name} if name else {})}
+
+    def suffix_ids(self, messages: list[dict]) -> list[int]:
+        """The tokens the chat template adds for `messages` after an assistant turn, up to the next generation
+        prompt: rendered after a dummy exchange, minus the exchange up to its EOS (TRL's _get_tool_suffix_ids)."""
+        assistant = {"role": "assistant", "content": "dummy"}
+        if messages[0]["role"] == "tool" and self.native_tools:
+            assistant = {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": messages[0].get("name", "tool"), "arguments": {}}}]}
+        dummy = [{"role": "user", "content": "dummy"}, assistant]
+        prefix = list(self.tokenizer.apply_chat_template(dummy, tokenize=True, return_dict=False))
+        full = list(self.tokenizer.apply_chat_template(dummy + messages, tokenize=True, return_dict=False,
+                                                       add_generation_prompt=True))
+        eos = [i for i, t in enumerate(prefix) if t == self.tokenizer.eos_token_id]
+        prefix = prefix[:eos[-1] + 1] if eos else prefix
+        if full[:len(prefix)] != prefix:
+            raise UserError(f"{self.model_name}: the chat template's rendering of a {messages[0]['role']} message "
+                            "changes the tokens before it (see docs/environments.md)")
+        return full[len(prefix):]
+
+    # ---- episodes ---------------------------------------------------------------------------------------------
+    def start(self, row: dict, row_no: int, source: str) -> _Episode:
+        env = self.env_factory() if self.env_factory is not None else None
+        prompt = row.get("prompt")
+        messages = copy.deepcopy(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        if env is not None:
+            try:
+                observation = _call(lambda: env.reset(**row))
+            except Exception as e:  # noqa: BLE001 - the user's environment: one line naming it and the row
+                raise UserError(f"{type(env).__name__}.reset failed on {source} row {row_no}: "
+                                f"{type(e).__name__}: {e}") from None
+            if observation is not None:
+                messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
+        tools = {**self.tools, **(environment_tools(env) if env is not None else {})}
+        schemas = [tool_schema(fn) for fn in tools.values()]
+        shown = copy.deepcopy(messages)
+        ids = self._prompt(shown, schemas)
+        if len(ids) > self.max_prompt_length:
+            raise UserError(f"{source} row {row_no}: the prompt with its tool descriptions is {len(ids)} tokens, over "
+                            f"--max_prompt_length {self.max_prompt_length} (cutting it would lose the tools)")
+        return _Episode(env, tools, ids, shown)
+
+    def react(self, ep: _Episode, text: str) -> list[dict] | None:
+        """The environment's answer to an assistant turn: tool results, a reply, or None (the episode ends)."""
+        calls = parse_tool_calls(text, self.tokenizer) if ep.tools else []
+        if calls:
+            if self.max_iterations is not None and ep.tool_rounds >= self.max_iterations:
+                return None
+            ep.tool_rounds += 1
+            out = []
+            for call in calls:
+                name, result, failed = call_tool(ep.tools, call, self.tool_timeout_s)
+                ep.tool_calls += 1
+                ep.tool_failures += failed
+                out.append(self.env_message("tool", result, name))
+            return out
+        if ep.env is not None and callable(getattr(ep.env, "respond", None)):
+            reply = _call(ep.env.respond, text)
+            return None if reply is None else [self.env_message("user", str(reply))]
+        return None
+
+    def run(self, rows: list[dict], row_numbers: list[int], params: SamplingParams, source: str = "dataset"
+            ) -> Rollout:
+        """One episode per entry of `rows` (the caller repeats a row for each of its samples): a Rollout of
+        len(rows) responses (params.n is ignored) with env_mask, env_reward and episodes set."""
+        eps = [self.start(row, no, source) for row, no in zip(rows, row_numbers)]
+        turn, active = 0, eps
+        while active:
+            budget = [self.max_completion_length - len(e.ids) for e in active]
+            seed = None if params.seed is None else params.seed + turn * len(eps)
+            ro = self.engine.generate([e.prompt + e.ids for e in active],
+                                      replace(params, n=1, max_new_tokens=max(budget), seed=seed, ignore_eos=False))
+            for j, e in enumerate(active):
+                m = ro.response_mask[j]
+                ids, logprobs = ro.response_ids[j][m].tolist(), ro.sampling_logprobs[j][m].tolist()
+                ended = not bool(ro.truncated[j]) and len(ids) <= budget[j]
+                ids, logprobs = ids[:budget[j]], logprobs[:budget[j]]
+                e.add(ids, logprobs)
+                e.turns += 1
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                e.messages.append({"role": "assistant", "content": text})
+                if not ended:
+                    e.done = e.truncated = True
+                    continue
+                new = self.react(e, text)
+                if not new:
+                    e.done = True
+                    continue
+                e.messages += new
+                suffix = self.suffix_ids(new)
+                if len(e.ids) + len(suffix) >= self.max_completion_length:  # no room for it and one more token
+                    e.done = e.truncated = True
+                    continue
+                e.add(suffix, None)
+            active = [e for e in active if not e.done]
+            turn += 1
+        return self.to_rollout(eps)
+
+    def to_rollout(self, eps: list[_Episode]) -> Rollout:
+        B, R = len(eps), max(1, max(len(e.ids) for e in eps))
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((B, R), pad, dtype=torch.long)
+        sampled = torch.zeros((B, R), dtype=torch.bool)
+        inserted = torch.zeros((B, R), dtype=torch.bool)
+        logprobs = torch.zeros((B, R), dtype=torch.float32)
+        for i, e in enumerate(eps):
+            n = len(e.ids)
+            ids[i, :n] = torch.tensor(e.ids, dtype=torch.long)
+            sampled[i, :n] = torch.tensor(e.sampled, dtype=torch.bool)
+            inserted[i, :n] = ~sampled[i, :n]
+            logprobs[i, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
+        rewards = []
+        for e in eps:
+            get_reward = getattr(e.env, "get_reward", None) if e.env is not None else None
+            value = _call(get_reward) if callable(get_reward) else None
+            rewards.append(0.0 if value is None else float(value))
+        info = [{"turns": e.turns, "tool_calls": e.tool_calls, "tool_failures": e.tool_failures,
+                 "env_tokens": int(sum(not s for s in e.sampled)), "messages": e.messages} for e in eps]
+        return Rollout([e.prompt for e in eps], ids, sampled, logprobs, torch.tensor([e.truncated for e in eps]),
+                       env_mask=inserted, env_reward=torch.tensor(rewards, dtype=torch.float32), episodes=info)
+
+
+def check_prefix_property(tokenizer, model_name: str, native_tools: bool) -> None:
+    """Refuse, in one line naming the model and the first turn where it breaks, a chat template that does not extend a
+    conversation by appending: each rendering of the first k turns (with the generation prompt before an assistant
+    turn) must be a prefix of the rendering of k + 1 turns. Else the tokens an engine sampled in an earlier turn
+    would not be those the template shows the model later (Qwen3's template, for one, drops earlier reasoning)."""
+    env = {"role": "tool", "name": "tool", "content": "t"} if native_tools else {"role": "user", "content": "u"}
+    turns = [{"role": "user", "content": "u0"}, {"role": "assistant", "content": "a1"}, env,
+             {"role": "assistant", "content": "a2"}, {**env, "content": "t2"}, {"role": "assistant", "content": "a3"}]
+    for k in range(1, len(turns)):
+        before = tokenizer.apply_chat_template(turns[:k], tokenize=False,
+                                               add_generation_prompt=turns[k]["role"] == "assistant")
+        after = tokenizer.apply_chat_template(turns[:k + 1], tokenize=False)
+        if not after.startswith(before):
+            raise UserError(f"{model_name}: the chat template does not extend a conversation by appending: adding "
+                            f"turn {k + 1} ({turns[k]['role']}) rewrites the text before it, so multi-turn episodes "
+                            "cannot keep the sampled tokens (docs/environments.md: use a template that appends)")
+
+
+def make_episodes(cfg, engine: RolloutBackend, tokenizer, model_name: str) -> Episodes | None:
+    """The Episodes of a run's flags (--environment_factory, --tools, --max_tool_calling_iterations,
+    --tool_timeout_s), or None when neither an environment nor tools are given (single-turn rollouts)."""
+    if not cfg.environment_factory and not cfg.tools:
+        return None
+    factory = load_object("environment_factory", cfg.environment_factory) if cfg.environment_factory else None
+    tools = [load_object("tools", s) for s in (cfg.tools or "").split(",") if s.strip()]
+    return Episodes(engine, tokenizer, model_name, factory, tools, cfg.max_tool_calling_iterations,
+                    cfg.tool_timeout_s, cfg.max_prompt_length, cfg.max_completion_length)

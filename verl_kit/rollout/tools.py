@@ -1,0 +1,147 @@
+"""Tools and environments for multi-turn episodes (rollout.episodes), in TRL's API: `--environment_factory
+module.py:Class` (one instance per episode: `reset(**row)`, public methods are its tools, optional `get_reward()` and,
+beyond TRL, `respond(text)`), `--tools module.py:fn,...` (plain functions). A tool's JSON schema comes from its name,
+type hints and docstring (transformers' `get_json_schema`). Tool calls are read from the model's text: the
+tokenizer's own parser where it has one (transformers' `parse_response`, a template with a response schema), else
+Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, the format Qwen's templates and the
+fallback system prompt (`describe_tools`, for templates without tool support) use."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import threading
+
+from verl_kit.errors import UserError
+
+
+def load_object(flag: str, spec: str):
+    """'package.module:Name' or 'path/to/file.py:Name' -> the object; a UserError naming the flag otherwise."""
+    target, _, name = spec.strip().rpartition(":")
+    if not target or not name:
+        raise UserError(f"--{flag} {spec!r}: expected module:Name or path/to/file.py:Name")
+    if target.endswith(".py"):
+        if not os.path.isfile(target):
+            raise UserError(f"--{flag} {spec!r}: no such file {target}")
+        module_spec = importlib.util.spec_from_file_location(f"{flag}_{abs(hash(target))}", target)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            raise UserError(f"--{flag} {spec!r}: importing {target} failed: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise UserError(f"--{flag} {spec!r}: cannot import module {target!r} ({e})") from None
+    obj = getattr(module, name, None)
+    if not callable(obj):
+        raise UserError(f"--{flag} {spec!r}: {target} has no class or function {name!r}")
+    return obj
+
+
+def environment_tools(env) -> dict:
+    """An environment instance's tools: its public methods other than reset, get_reward and respond (TRL lists them
+    on the class, so properties are not evaluated)."""
+    skip = {"reset", "get_reward", "respond"}
+    return {n: getattr(env, n) for n, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+            if not n.startswith("_") and n not in skip}
+
+
+def tool_schema(fn) -> dict:
+    """transformers' JSON schema of a tool (name, description and parameters from its signature and docstring)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # noqa: BLE001 - transformers raises several types for an undocumented tool
+        raise UserError(f"tool {getattr(fn, '__qualname__', fn)!r}: no JSON schema ({e}); give it type hints and a "
+                        "Google-style docstring with an Args: section") from None
+
+
+def supports_tools(tokenizer) -> bool:
+    """The chat template renders a whole tool-calling exchange (TRL's check: user -> assistant with tool_calls ->
+    tool, every part visible); else the fallback system prompt describes the tools and results come back as user
+    messages."""
+    from trl.chat_template_utils import supports_tool_calling
+
+    return supports_tool_calling(tokenizer)
+
+
+FALLBACK_HEADER = ("You may call these tools. To call one, write <tool_call>{\"name\": <tool name>, \"arguments\": "
+                   "<arguments as a JSON object>}</tool_call>; its result comes back in "
+                   "<tool_response></tool_response>.")
+
+
+def describe_tools(schemas: list[dict]) -> str:
+    """The fallback system prompt for templates without tool support (Hermes-style, as Qwen2.5's template writes)."""
+    return FALLBACK_HEADER + "\n<tools>\n" + "\n".join(json.dumps(s) for s in schemas) + "\n</tools>"
+
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str, tokenizer=None) -> list[dict | str]:
+    """The tool calls in an assistant message: dicts {"name", "arguments"}, or an error string for a call that does not
+    parse (the model then sees it as the tool's result). The tokenizer's parser first (transformers' parse_response,
+    when the tokenizer has a response schema), else Hermes `<tool_call>` blocks."""
+    if tokenizer is not None and getattr(tokenizer, "response_schema", None):
+        try:
+            calls = tokenizer.parse_response(text).get("tool_calls") or []
+            return [c.get("function", c) for c in calls]
+        except Exception:  # noqa: BLE001 - fall back to the Hermes reader below
+            pass
+    out: list[dict | str] = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as e:
+            out.append(f"malformed tool call (not JSON: {e.msg})")
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            out.append("malformed tool call (expected {\"name\": ..., \"arguments\": {...}})")
+            continue
+        args = call.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        out.append({"name": call["name"], "arguments": args if isinstance(args, dict) else {"value": args}})
+    return out
+
+
+def call_tool(tools: dict, call: dict | str, timeout_s: float | None) -> tuple[str, str, bool]:
+    """Run one parsed tool call: (tool name, result text, failed). A malformed call, an unknown tool, a tool that
+    raises or runs past `timeout_s` gives TRL's `{"error": ...}` as the result, and failed=True. Sync tools run in a
+    worker thread (a hanging one is abandoned there, it cannot be killed); async tools on a fresh event loop."""
+    if isinstance(call, str):
+        return "unknown", str({"error": call}), True
+    name, args = call["name"], call["arguments"]
+    fn = tools.get(name)
+    if fn is None:
+        return name, str({"error": f"Tool {name} not found."}), True
+    box: dict = {}
+
+    def target():
+        try:
+            result = fn(**args)
+            if inspect.isawaitable(result):
+                result = asyncio.run(asyncio.wait_for(result, timeout_s) if timeout_s else result)
+            box["result"] = result
+        except BaseException as e:  # noqa: BLE001 - the model sees it, the run goes on
+            box["error"] = e
+
+    worker = threading.Thread(target=target, name=f"tool-{name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive() or isinstance(box.get("error"), (asyncio.TimeoutError, TimeoutError)):
+        return name, str({"error": f"Tool {name} timed out after {timeout_s:g} s"}), True
+    if "error" in box:
+        return name, str({"error": str(box["error"])}), True
+    return name, str(box["result"]), False
