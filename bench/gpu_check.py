@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from verl_kit.algos import dpo_loss, group_advantages, policy_loss, value_loss  # noqa: E402
-from verl_kit.data.packing import forward_logits, layout, token_logprobs  # noqa: E402
+from verl_kit.data.packing import forward_logits, layout, split_by_tokens, token_logprobs  # noqa: E402
 
 DRY = os.environ.get("GPU_CHECK_DRY_RUN", "0") == "1"
 TIMEOUT_S = float(os.environ.get("GPU_CHECK_TIMEOUT_S", "60" if DRY else "480"))
@@ -188,33 +188,51 @@ def run_recipe(check: Check, name: str, cfg: dict, device) -> dict:
     if name == "grpo":  # whole groups
         rows = max(int(cfg.get("num_generations", 2)), rows - rows % int(cfg.get("num_generations", 2)))
     tokens_done, seconds = 0, 0.0
+    unit = 2 if name == "dpo" else 1  # a DPO pair (chosen, rejected) stays in one micro-batch
+    budget = int(cfg.get("max_tokens_per_microbatch") or 10**9)
+    micro_batches = 0
     for step in range(STEPS + 1):  # step 0 warms up (kernels, allocator) and is not timed
         check.tick()
         seqs, masks = random_sequences(g, rows, prompt_len, max_len, vocab)
-        batch = batch_for(cfg, seqs, masks, attn, device)
+        scores = torch.rand(rows, generator=g)
+        group = int(cfg.get("num_generations", 1))
+        adv = group_advantages(scores, group) if group > 1 else scores - scores.mean()
+        units = [list(range(i, i + unit)) for i in range(0, rows, unit)]
+        chunks = [[i for u in c for i in units[u]]  # the recipes' token budget per micro-batch
+                  for c in split_by_tokens([sum(len(seqs[i]) for i in u) for u in units], budget)]
+        refs = []
         if name == "dpo":  # the frozen reference's log-probs, before the timer (the recipe precomputes them too)
             with torch.no_grad():
-                ref, index = seq_logps(model, batch, device)
-                ref_seq = torch.zeros(batch.num_seqs, device=device).index_add(0, index, ref)
+                for c in chunks:
+                    batch = batch_for(cfg, [seqs[i] for i in c], [masks[i] for i in c], attn, device)
+                    ref, index = seq_logps(model, batch, device)
+                    refs.append(torch.zeros(batch.num_seqs, device=device).index_add(0, index, ref))
         if device.type == "cuda":
             torch.cuda.synchronize()
         t = time.time()
-        logps, index = seq_logps(model, batch, device)
-        if name == "dpo":
-            pol = torch.zeros(batch.num_seqs, device=device).index_add(0, index, logps)
-            loss = dpo_loss(pol[0::2], pol[1::2], ref_seq[0::2], ref_seq[1::2], float(cfg.get("beta", 0.1))).mean()
-        else:
-            group = int(cfg.get("num_generations", 1))
-            scores = torch.rand(batch.num_seqs, generator=g).to(device)
-            adv = group_advantages(scores, group) if group > 1 else scores - scores.mean()
-            loss = policy_loss(logps, logps.detach(), adv[index], 0.2).mean()
-            if critic is not None:
-                with autocast(device):
-                    hidden = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                    position_ids=batch.position_ids).last_hidden_state
-                    values = critic.value_head(hidden).squeeze(-1).float()[:, :-1][batch.scored]
-                loss = loss + value_loss(values, values.detach(), scores[index], 0.2).mean()
-        loss.backward()
+        total = 0.0
+        for k, c in enumerate(chunks):
+            batch = batch_for(cfg, [seqs[i] for i in c], [masks[i] for i in c], attn, device)
+            logps, index = seq_logps(model, batch, device)
+            if name == "dpo":
+                pol = torch.zeros(batch.num_seqs, device=device).index_add(0, index, logps)
+                loss = dpo_loss(pol[0::2], pol[1::2], refs[k][0::2], refs[k][1::2], float(cfg.get("beta", 0.1))).sum()
+                loss = loss / (rows // 2)
+            else:
+                a, sc = adv[c].to(device), scores[c].to(device)
+                loss = policy_loss(logps, logps.detach(), a[index], 0.2).sum()
+                if critic is not None:
+                    with autocast(device):
+                        hidden = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                        position_ids=batch.position_ids).last_hidden_state
+                        values = critic.value_head(hidden).squeeze(-1).float()[:, :-1][batch.scored]
+                    loss = loss + value_loss(values, values.detach(), sc[index], 0.2).sum()
+                loss = loss / sum(sum(masks[i]) for i in range(rows))  # token mean over the step
+            loss.backward()
+            total += loss.item()
+            if step > 0:
+                tokens_done += batch.num_tokens
+        micro_batches = len(chunks)
         torch.nn.utils.clip_grad_norm_(params, float(cfg.get("max_grad_norm", 1.0)))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -222,13 +240,13 @@ def run_recipe(check: Check, name: str, cfg: dict, device) -> dict:
             torch.cuda.synchronize()
         if step > 0:
             seconds += time.time() - t
-            tokens_done += batch.num_tokens
-        if not math.isfinite(loss.item()):
-            raise RuntimeError(f"{name}: loss {loss.item()} at step {step}")
+        if not math.isfinite(total):
+            raise RuntimeError(f"{name}: loss {total} at step {step}")
     tps = tokens_done / seconds
     peak = peak_flops(torch.cuda.get_device_name()) if device.type == "cuda" else None
     out = {"attn_implementation": attn, "params": n_params, "rows_per_step": rows, "timed_steps": STEPS,
-           "tokens_per_s": round(tps, 1), "step_s": round(seconds / STEPS, 4), "loss": loss.item(),
+           "micro_batches": micro_batches, "tokens_per_s": round(tps, 1), "step_s": round(seconds / STEPS, 4),
+           "loss": total,
            "mfu": None if peak is None else round(6 * n_params * tps / peak, 4),
            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
            "gradient_checkpointing": bool(cfg.get("gradient_checkpointing")), "packing": bool(cfg.get("packing", True)),

@@ -24,7 +24,8 @@ BF16 = default_probe_threshold("bfloat16")
 def test_probe_bf16_bound_and_stale_engine(tiny_model_path, tokenizer):
     """A bf16 copy of the policy scores like the fp32 trainer within the bf16 bound; after an update that reaches
     the copy the probe passes and both moved alike; after one that does not (a sync that did not take), the probe
-    stops the run under the bf16 bound. The engine here is the bf16 HF copy (the vLLM one is the slow test below)."""
+    stops the run under the bf16 bound, which alone (5 nats) would let this stale engine through. The engine here is
+    the bf16 HF copy (the vLLM one is the slow test below)."""
     trainer = load_hf(tiny_model_path)
     engine = copy.deepcopy(trainer).to(torch.bfloat16)
     prompts = encode(tokenizer, PROBE_TEXTS)
@@ -35,15 +36,15 @@ def test_probe_bf16_bound_and_stale_engine(tiny_model_path, tokenizer):
 
     first = probe.check(score, trainer, True)
     assert 0 < first["rollout/logprob_max_abs_diff"] < BF16  # bf16 rounding shows, within the bound
-    train_step(trainer, tokenizer, lr=3e-2)  # an update larger than the bound, that reaches the copy
+    train_step(trainer, tokenizer, lr=3e-2)  # an update that reaches the copy (moves the probe ~1.7, measured)
     engine.load_state_dict(trainer.state_dict())  # the sync: cast to bf16 on copy
     synced = probe.check(score, trainer, True)
-    print(f"bf16 copy: {first} {synced}")
-    assert synced["rollout/probe_trainer_moved"] > BF16
-    assert abs(synced["rollout/probe_engine_moved"] - synced["rollout/probe_trainer_moved"]) < BF16
+    moved, followed = synced["rollout/probe_trainer_moved"], synced["rollout/probe_engine_moved"]
+    assert 0.5 < moved < BF16 and 0.5 * moved < followed < 2 * moved, synced
     train_step(trainer, tokenizer, lr=3e-2)  # the same again, not synced
-    with pytest.raises(RuntimeError, match="weight sync had no effect"):
+    with pytest.raises(RuntimeError, match="weight sync had no effect") as e:
         probe.check(score, trainer, True)
+    assert "the engine's by 0" in str(e.value)
 
 
 BF16_DRIVER = r'''
@@ -64,18 +65,25 @@ if __name__ == "__main__":
     engine = VLLMColocated(path, tok, dtype="bfloat16", max_num_seqs=16, max_model_len=256, kv_cache_gib=1,
                            probe_prompts=prompts,  # the default bf16 bound, unless measuring (docs/gpu.md)
                            probe_threshold=float(sys.argv[3]) if len(sys.argv) > 3 else None)
-    out = {{"threshold": engine.probe.threshold, "fp32_trainer": [], "bf16_trainer": [], "moved": []}}
+    out = {{"threshold": engine.probe.threshold, "fp32_trainer": [], "bf16_trainer": [], "moved": [],
+            "mean_diff": [], "mean_moved": []}}
+    mean = lambda a, b: float(torch.cat([x - y for x, y in zip(a, b)]).abs().mean())  # noqa: E731
     for version in range(4):  # the first load, then three updates, each synced and probed as a recipe does
         if version:
             train_step(model, tok, lr=lr)
+        last = engine.probe.last
         m = engine.load_weights(model, version=version)
         out["fp32_trainer"].append(m["rollout/logprob_max_abs_diff"])
         out["moved"].append([m["rollout/probe_trainer_moved"], m["rollout/probe_engine_moved"]])
+        e, t = engine.probe.last
+        out["mean_diff"].append(mean(e, t))
+        if last is not None:
+            out["mean_moved"].append([mean(t, last[1]), mean(e, last[0])])
         bf16 = copy.deepcopy(model).to(torch.bfloat16)  # the trainer under ZeRO-3 bf16: bf16 parameters
         out["bf16_trainer"].append(max_abs_diff(engine.score(prompts), trainer_logprobs(bf16, prompts)))
     train_step(model, tok, lr=10 * lr)  # an update the engine never gets
     try:
-        engine.probe.check(engine.score, model, True)
+        out["unsynced"] = engine.probe.check(engine.score, model, True)
         out["stale_error"] = ""
     except RuntimeError as e:
         out["stale_error"] = str(e)
@@ -94,7 +102,7 @@ def test_bf16_engine_probe_over_updates():
     for diffs in (out["fp32_trainer"], out["bf16_trainer"]):
         assert max(diffs) < BF16 and min(diffs) > 0, diffs  # bf16 rounding shows, within the bound
     for trainer_moved, engine_moved in out["moved"][1:]:
-        assert trainer_moved > BF16 and abs(trainer_moved - engine_moved) < BF16  # the engine followed each update
+        assert trainer_moved > 0.05 and engine_moved > 0.5 * trainer_moved  # the engine followed each update
     assert "weight sync had no effect" in out["stale_error"], out["stale_error"]
 
 
@@ -104,7 +112,7 @@ def test_bf16_dpo_and_grpo_on_cpu(tmp_path):
     for recipe, extra in (("dpo.py", []), ("grpo.py", ["--logging_steps", "1"])):
         out = tmp_path / recipe
         run(recipe_cmd(recipe, ["--config", f"recipes/configs/{recipe[:-3]}_tiny.yaml", "--output_dir", str(out),
-                                "--bf16", "true", "--max_steps", "3", "--save_steps", "100",
+                                "--bf16", "true", "--max_steps", "2",
                                 *extra]), timeout=300)
         steps = [m for m in metrics(out) if "grad_norm" in m]
         assert steps and all(0 < m["grad_norm"] < 1e3 for m in steps), steps
