@@ -258,31 +258,33 @@ def run_recipe(check: Check, name: str, cfg: dict, device) -> dict:
 @torch.no_grad()
 def packed_vs_padded(device) -> dict:
     """Per-token log-probs of the same sequences in packed rows (block mask, or varlen under flash-attention) and in
-    padded rows: max |difference| in fp32 and in bf16 autocast. Initialised 10x wider than training does, so the
-    log-probs spread like a trained model's (std ~1.6 on the tiny shape; at 0.02 they are near uniform and hide
-    errors). Under sdpa, the packed rows without their mask are scored too: they must differ, or the check is blind."""
+    padded rows: max |difference| in fp32 (the equality, < 1e-3; flash-attention has no fp32, so there bf16 only) and
+    in bf16 autocast (reported, not judged: each layout rounds its activations differently). Initialised 10x wider
+    than training does, so the log-probs spread like a trained model's or more (std 1.6 on the tiny shape, 6.5 on
+    Qwen2.5-0.5B's, where CPU measured fp32 7e-5; at 0.02 they are near uniform and hide errors). Under sdpa, packed
+    rows without their mask are scored too: they must differ, or the check is blind."""
     model, attn = build_model(device, initializer_range=0.2)
     model.eval()
+    flash = attn == "flash_attention_2"
     g = torch.Generator().manual_seed(1)
     seqs, masks = random_sequences(g, 8, 8, 48 if DRY else 512, model.config.vocab_size)
     out = {"attn_implementation": attn}
-    for bf16 in (False, True):
+    for bf16 in (True,) if flash else (False, True):
         got = []
         for packing in (False, True):
             batch = layout(seqs, masks, pad_id=0, packing=packing, packing_length=4 * (48 if DRY else 512),
-                           block_mask=attn != "flash_attention_2").to(device)
+                           block_mask=not flash).to(device)
             with autocast(device, bf16):
                 logps, index = token_logprobs(forward_logits(model, batch), batch)
             got.append(logps[torch.argsort(index, stable=True)])
         out["bf16" if bf16 else "fp32"] = float((got[0] - got[1]).abs().max())
-        if not bf16 and attn != "flash_attention_2":  # the negative control: packed rows, no block mask and
-            batch.attention_mask = None  # positions running on (nothing tells the sequences apart)
+        if not bf16:  # the negative control: packed rows, no block mask and positions running on
+            batch.attention_mask = None
             batch.position_ids = torch.arange(batch.input_ids.shape[1], device=device).expand_as(batch.input_ids)
             logps, index = token_logprobs(forward_logits(model, batch), batch)
             out["fp32_packed_without_mask"] = float((got[0] - logps[torch.argsort(index, stable=True)]).abs().max())
-    out["logprob_std"] = float(got[0].float().std())
-    # fp32 agrees to rounding; bf16 rounds each layout's activations differently
-    out["ok"] = out["fp32"] < 1e-3 and out["bf16"] < 0.5 and out.get("fp32_packed_without_mask", 1.0) > 1e-2
+            out["logprob_std"] = float(got[0].std())
+    out["ok"] = None if flash else out["fp32"] < 1e-3 and out["fp32_packed_without_mask"] > 1e-2
     return out
 
 
@@ -332,8 +334,9 @@ def main() -> int:
         check.tick()
         eq = packed_vs_padded(device)
         check.summary["equalities"]["packed_vs_padded"] = eq
-        print(f"packed vs padded: max |token logprob diff| fp32 {eq['fp32']:.3g}, bf16 {eq['bf16']:.3g} "
-              f"({'ok' if eq['ok'] else 'FAIL'})", flush=True)
+        verdict = {True: "ok", False: "FAIL", None: "not judged: no fp32 under flash-attention"}[eq["ok"]]
+        print(f"packed vs padded: max |token logprob diff| fp32 {eq.get('fp32', float('nan')):.3g} (without the mask "
+              f"{eq.get('fp32_packed_without_mask', float('nan')):.3g}), bf16 {eq['bf16']:.3g}: {verdict}", flush=True)
     except Timeout:
         check.summary["stopped"] = "timeout"
         print(f"stopped: timeout after {TIMEOUT_S:.0f}s; the summary holds what was measured", flush=True)
@@ -341,7 +344,7 @@ def main() -> int:
     check.write()
     print(f"summary: {check.path}", flush=True)
     eq = check.summary["equalities"].get("packed_vs_padded")
-    return 1 if eq is not None and not eq["ok"] else 0
+    return 1 if eq is not None and eq["ok"] is False else 0
 
 
 if __name__ == "__main__":
