@@ -322,12 +322,22 @@ def main() -> int:
             if recipe not in ("dpo", "grpo", "ppo"):
                 check.skip(path.name, "no loss for this recipe in the check")
                 continue
-            figures = run_recipe(check, recipe, read_config(path), device)
+            try:
+                figures = run_recipe(check, recipe, read_config(path), device)
+            except Timeout:
+                raise
+            except Exception as e:  # noqa: BLE001 (one recipe's failure, e.g. out of memory, is a figure too)
+                check.summary["recipes"][recipe] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+                print(f"{path.name}: FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                check.write()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             check.summary["recipes"][recipe] = figures
             mfu = "n/a" if figures["mfu"] is None else f"{100 * figures['mfu']:.1f}%"
             mem = "n/a" if figures["peak_memory_gib"] is None else f"{figures['peak_memory_gib']} GiB"
             print(f"{path.name}: {figures['tokens_per_s']:.0f} tokens/s, MFU {mfu}, peak memory {mem}, "
-                  f"{figures['params'] / 1e6:.0f}M params, attention {figures['attn_implementation']}", flush=True)
+                  f"{figures['params'] / 1e6:.1f}M params, attention {figures['attn_implementation']}", flush=True)
             check.write()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -344,7 +354,8 @@ def main() -> int:
     check.write()
     print(f"summary: {check.path}", flush=True)
     eq = check.summary["equalities"].get("packed_vs_padded")
-    return 1 if eq is not None and eq["ok"] is False else 0
+    failed = any("error" in r for r in check.summary["recipes"].values())
+    return 1 if failed or eq is not None and eq["ok"] is False else 0
 
 
 if __name__ == "__main__":
