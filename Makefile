@@ -78,6 +78,14 @@ lint: install
 docs: install
 	$(PY) -m verl_kit.config_reference > docs/configuration.md.tmp && mv docs/configuration.md.tmp docs/configuration.md
 
+# The device check for a lent GPU machine (docs/gpu.md): bf16 steps of each *_gpu.yaml on a random-init model of
+# Qwen2.5-0.5B's shape, tokens/s, MFU, peak memory, packed == padded. No install: the image's torch, transformers and
+# accelerate (GPU_PY); the summary goes to $OUT/gpu_check.json. GPU_CHECK_DRY_RUN=1: tiny shapes, any machine.
+GPU_PY ?= python3
+.PHONY: gpu-check
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py
+
 bench: install bench-deps
 	GLOO_SOCKET_IFNAME=lo $(PY) bench/run.py
 

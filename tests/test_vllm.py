@@ -92,7 +92,7 @@ import torch
 from test_vllm import encode, long_seeded, load_hf, train_step, hf_greedy, rows, hf_sampling_logprobs, PROBE_TEXTS
 from verl_kit.models import load_tokenizer, resolve_model_path
 from verl_kit.rollout import SamplingParams
-from verl_kit.rollout import VLLMColocated
+from verl_kit.rollout import VLLMColocated, default_probe_threshold
 
 if __name__ == "__main__":
     path = resolve_model_path("tiny-llama")
@@ -131,7 +131,7 @@ if __name__ == "__main__":
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     out["errors"] = []
-    for threshold in (1e-3, 0.5):  # the fp32 bound; the bf16 default, where only "nothing moved" can tell
+    for threshold in (1e-3, default_probe_threshold("bfloat16")):  # fp32, bf16 (5: "nothing moved" tells)
         engine.probe.threshold = threshold
         try:
             engine.probe.check(engine.score, model, True)
