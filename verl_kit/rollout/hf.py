@@ -101,8 +101,12 @@ class HFGenerateBackend:
             do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=params.max_new_tokens,
             min_new_tokens=params.max_new_tokens if params.ignore_eos else 0, eos_token_id=eos, pad_token_id=pad,
             repetition_penalty=1.0, use_cache=True)
+        # synced_gpus=False: this copy is whole on every process, so generation is local. transformers would sync
+        # every decoding step over all processes whenever a ZeRO-3 config is registered (as under a ZeRO-3 launch), and
+        # then every process must call generate as often as the others: multi-turn episodes end after different
+        # numbers of turns on different processes.
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-                                  generation_config=config, logits_processor=[record])
+                                  generation_config=config, logits_processor=[record], synced_gpus=False)
         response = out[:, P:].cpu()
         record.take(out[:, -1])
         logprobs = torch.stack(record.logprobs, 1).cpu()
