@@ -161,6 +161,7 @@ def test_shipped_configs_parse(config):
 @pytest.mark.parametrize("args, expected", [
     (["--beta", "high"], "invalid float value: 'high'"),
     (["--loss_type", "hinge2"], "--loss_type: 'hinge2' is not one of sigmoid, ipo"),
+    (["--eval_steps", "0"], "--eval_steps: must be >= 1, got 0"),
 ])
 def test_recipe_flag_errors(args, expected):
     """The recipe's own flags and choices (DPOConfig), parsed as its main() does."""

@@ -316,7 +316,7 @@ def parse_args(config_cls, argv: list[str] | None = None):
     if isinstance(cfg_obj.dataset_test_split, str) and cfg_obj.dataset_test_split.lower() == "none":
         cfg_obj.dataset_test_split = None
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "packing_length",
-                 "prompts_per_step", "num_generations", "max_completion_length"):
+                 "prompts_per_step", "num_generations", "max_completion_length", "logging_steps", "eval_steps"):
         if getattr(cfg_obj, name, 1) < 1:
             raise UserError(f"--{name}: must be >= 1, got {getattr(cfg_obj, name)}")
     check_lora_flags(cfg_obj, config_cls())
