@@ -102,8 +102,8 @@ def test_calculator_example_environment(tokenizer):
     """examples/environments.py:Calculator as --environment_factory loads it: the model's call to `calculate` gets
     924 * 607 = 560868 back, its final reply is checked against the row's answer by get_reward (1, then 0 for a
     wrong reply), and a reward of the environment alone is allowed (--reward_fn none)."""
+    from verl_kit.config import load_object
     from verl_kit.rewards import Rewards
-    from verl_kit.rollout.tools import load_object
 
     env = load_object("environment_factory", "examples/environments.py:Calculator")
     row = {"prompt": [{"role": "user", "content": "What is 924 * 607?"}], "answer": "560868"}

@@ -272,6 +272,37 @@ def _check_type(name: str, value, annotation) -> None:
     raise UserError(f"--{name}: expected {names}, got {value!r}")
 
 
+def load_object(flag: str, spec: str, what: str = "class or function"):
+    """`--flag spec`, 'package.module:Name' or 'path/to/file.py:Name' (a reward function, an environment class, a
+    tool) -> the object; a UserError naming the flag otherwise. The one loader of user code named on the command
+    line."""
+    import importlib
+    import importlib.util
+
+    hint = "function" if what == "function" else "Name"
+    target, _, name = spec.strip().rpartition(":")
+    if not target or not name:
+        raise UserError(f"--{flag} {spec!r}: expected module:{hint} or path/to/file.py:{hint}")
+    if target.endswith(".py"):
+        if not os.path.isfile(target):
+            raise UserError(f"--{flag} {spec!r}: no such file {target}")
+        module_spec = importlib.util.spec_from_file_location(f"{flag}_{abs(hash(target))}", target)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            raise UserError(f"--{flag} {spec!r}: importing {target} failed: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise UserError(f"--{flag} {spec!r}: cannot import module {target!r} ({e})") from None
+    obj = getattr(module, name, None)
+    if not callable(obj):
+        raise UserError(f"--{flag} {spec!r}: {target} has no {what} {name!r}")
+    return obj
+
+
 def parse_args(config_cls, argv: list[str] | None = None):
     """Parse `config_cls` from argv and `--config file.yaml`; raises UserError naming the offending flag or key."""
     import yaml

@@ -11,6 +11,7 @@ from verl_kit.config import OnlineConfig
 from verl_kit.errors import UserError
 from verl_kit.models.loading import resolve_model_path
 from verl_kit.rewards.functions import CallLimits, call_reward_fn, load_reward_fn, reward_columns
+from verl_kit.train.distributed import reduce_metrics
 from verl_kit.train.trainable import frozen
 
 
@@ -54,8 +55,6 @@ class Rewards:
     def metrics(self) -> dict[str, float]:
         """reward/timeouts and reward/errors: the responses scored by --reward_fallback since the run (or its resume)
         started, summed over processes (a collective: every process calls it at the same point)."""
-        from verl_kit.train.distributed import reduce_metrics
-
         return reduce_metrics({"reward/timeouts": self.limits.timeouts, "reward/errors": self.limits.errors})
 
     def of_rollout(self, rows: list[dict], rollout) -> torch.Tensor:

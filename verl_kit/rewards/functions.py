@@ -33,17 +33,15 @@ Reward models see prompts and completions only.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
-import os
 import re
 import threading
 from dataclasses import dataclass
 
 import torch
 
+from verl_kit.config import load_object
 from verl_kit.errors import UserError
 from verl_kit.models.tiny import BAD, GOOD
 
@@ -220,28 +218,8 @@ def reward_columns(rows: list[dict], exclude=("prompt",)) -> dict[str, list]:
 
 
 def load_reward_fn(spec: str):
-    """'package.module:function' or 'path/to/file.py:function' -> the function."""
-    target, _, name = spec.rpartition(":")
-    if not target or not name:
-        raise UserError(f"--reward_fn {spec!r}: expected module:function or path/to/file.py:function")
-    if target.endswith(".py"):
-        if not os.path.isfile(target):
-            raise UserError(f"--reward_fn {spec!r}: no such file {target}")
-        module_spec = importlib.util.spec_from_file_location(f"reward_fn_{abs(hash(target))}", target)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:
-            raise UserError(f"--reward_fn {spec!r}: importing {target} failed: {type(e).__name__}: {e}") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise UserError(f"--reward_fn {spec!r}: cannot import module {target!r} ({e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise UserError(f"--reward_fn {spec!r}: {target} has no function {name!r}")
-    return fn
+    """'package.module:function' or 'path/to/file.py:function' -> the function (config.load_object)."""
+    return load_object("reward_fn", spec, "function")
 
 
 def _excerpt(x, n: int = 60) -> str:

@@ -8,7 +8,7 @@ from verl_kit.rollout.hf import HFGenerateBackend
 from verl_kit.rollout.probe import Probe, default_probe_threshold, max_abs_diff, trainer_logprobs
 from verl_kit.rollout.prompts import Prompts, evaluate, load_prompt_splits, load_prompts, rollout_metrics, sample_rows
 from verl_kit.rollout.rollouts import Rollouts, dynamic_sampling, sampling_params, start_rollouts
-from verl_kit.rollout.tools import call_tool, describe_tools, load_object, parse_tool_calls, tool_schema
+from verl_kit.rollout.tools import call_tool, describe_tools, parse_tool_calls, tool_schema
 from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams, concat_rollouts, select_rows
 from verl_kit.rollout.vllm_client import VLLMServer
 from verl_kit.rollout.vllm_engine import SyncedBackend, VLLMColocated, to_rollout, vllm_sampling

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from verl_kit.config import load_object
 from verl_kit.errors import UserError
 from verl_kit.rollout.tools import (
     call_tool,
     describe_tools,
     environment_tools,
-    load_object,
     parse_tool_calls,
     supports_tools,
     tool_schema,

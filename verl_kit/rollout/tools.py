@@ -9,40 +9,12 @@ fallback system prompt (`describe_tools`, for templates without tool support) us
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import json
-import os
 import re
 import threading
 
 from verl_kit.errors import UserError
-
-
-def load_object(flag: str, spec: str):
-    """'package.module:Name' or 'path/to/file.py:Name' -> the object; a UserError naming the flag otherwise."""
-    target, _, name = spec.strip().rpartition(":")
-    if not target or not name:
-        raise UserError(f"--{flag} {spec!r}: expected module:Name or path/to/file.py:Name")
-    if target.endswith(".py"):
-        if not os.path.isfile(target):
-            raise UserError(f"--{flag} {spec!r}: no such file {target}")
-        module_spec = importlib.util.spec_from_file_location(f"{flag}_{abs(hash(target))}", target)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:
-            raise UserError(f"--{flag} {spec!r}: importing {target} failed: {type(e).__name__}: {e}") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise UserError(f"--{flag} {spec!r}: cannot import module {target!r} ({e})") from None
-    obj = getattr(module, name, None)
-    if not callable(obj):
-        raise UserError(f"--{flag} {spec!r}: {target} has no class or function {name!r}")
-    return obj
 
 
 def environment_tools(env) -> dict:

@@ -20,6 +20,7 @@ import re
 import shutil
 
 from verl_kit.config import TrainConfig
+from verl_kit.data.datasets import split_fingerprint
 from verl_kit.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -192,8 +193,6 @@ def run_fingerprint(cfg: TrainConfig) -> dict:
     """What a resumed run must share with the checkpoint to continue the same training: `data`, the content hash of
     the train split (data.split_fingerprint: the rows, in order, whatever the file is called), and `flags`, every
     config field but MODEL_FLAGS (checked on their own) and FREE_FLAGS, JSON values."""
-    from verl_kit.data.datasets import split_fingerprint
-
     flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
              if f.name not in FREE_FLAGS and f.name not in MODEL_FLAGS}
     return {"data": split_fingerprint(cfg.dataset_name, cfg.dataset_train_split, cfg.dataset_config),
