@@ -180,7 +180,6 @@ def test_grpo_async_resume_bit_identical(tmp_path):
     assert [ra[s]["rollout/staleness"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
     assert ra[2]["rollout/mismatch_kl"] > 0 and ra[2]["rollout/is_ratio_mean"] != 1.0
     assert ra[1]["rollout/mismatch_kl"] < 1e-6  # same weights: the fp32 engine and trainer agree
-    assert all(ra[s]["episode/turns"] >= 1 for s in (1, 2, 3, 4))
 
 
 @pytest.mark.slow
