@@ -158,8 +158,11 @@ def handle(line):
     if kind == "watch":
         watching[key] = set(pids) | {me}
         poll()
-    elif kind == "settle":
+    elif kind == "settle":  # the watch's processes, as the trainer saw them when it ended
         watching.pop(key, None)
+        mine = procs.setdefault(key, {})
+        for pid in set(mine) - set(pids):  # polled after the watch ended but before this line was read
+            del mine[pid]
         record(key, pids)
     elif kind == "group":
         try:
