@@ -146,7 +146,7 @@ def main():
         """Held out: the task reward (its accuracy where the task has an answer) and the per-token reverse KL
         log p - log q of the student's sampled tokens, total over total tokens (eval/teacher_kl)."""
         def kl_sum(rows, ro):  # (B,) sum over each response's tokens; every process calls it alike (ZeRO-3)
-            costs = [len(p) + int(n) for p, n in zip(ro.prompt_ids, ro.response_mask.sum(-1))]
+            costs = ro.costs
             chunks = micro_batches(cfg, list(range(len(costs))), costs)
             diff = packed.logprobs(actor.model, ro, chunks, device) - packed.logprobs(teacher, ro, chunks, device)
             return (diff * ro.response_mask).sum(-1)
@@ -167,7 +167,7 @@ def main():
             ro, staleness = rollouts.get(step)
         mask, B = ro.response_mask, ro.response_mask.shape[0]
         lengths = mask.sum(-1)
-        costs = [len(p) + int(n) for p, n in zip(ro.prompt_ids, lengths)]
+        costs = ro.costs  # tokens of each row's forward pass
         rows = [train.rows[i] for i in ro.prompt_index]
 
         # 2. the task reward (logged; with --task_reward_coef centred per prompt and added to each token's advantage)

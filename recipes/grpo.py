@@ -179,7 +179,7 @@ def main():
         lengths = mask.sum(-1)
         # --mask_truncated_completions: responses without EOS weigh 0 and leave the loss's token/response counts
         keep = ~ro.truncated if cfg.mask_truncated_completions else torch.ones(B, dtype=torch.bool)
-        costs = [len(p) + int(n) for p, n in zip(ro.prompt_ids, ro.sequence_mask.sum(-1))]  # + environment tokens
+        costs = ro.costs  # tokens of each row's forward pass
         with timer("ref"):
             chunks = micro_batches(cfg, list(range(B)), costs)
             ref_logprobs = packed.logprobs(ref, ro, chunks, device) if ref is not None else None

@@ -142,7 +142,7 @@ def main():
 
         # 3. old log-probs (the actor before this update), reference log-probs and values
         lengths = mask.sum(-1)
-        costs = [len(p) + int(n) for p, n in zip(ro.prompt_ids, ro.sequence_mask.sum(-1))]  # + environment tokens
+        costs = ro.costs  # tokens of each row's forward pass
         chunks = micro_batches(cfg, list(range(B)), costs)
         with timer("ref"):
             old_logprobs = (ro.sampling_logprobs if cfg.old_logprobs == "rollout"

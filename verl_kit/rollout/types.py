@@ -63,6 +63,12 @@ class Rollout:
         """(B, R) bool: every token of the response, sampled or inserted by the environment."""
         return self.response_mask if self.env_mask is None else self.response_mask | self.env_mask
 
+    @property
+    def costs(self) -> list[int]:
+        """Tokens of each row's forward pass (prompt and whole response, environment tokens included): the cost that
+        train.distributed.micro_batches packs by."""
+        return [len(p) + int(n) for p, n in zip(self.prompt_ids, self.sequence_mask.sum(-1))]
+
 
 @runtime_checkable
 class RolloutBackend(Protocol):
