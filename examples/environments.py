@@ -1,11 +1,11 @@
 """Example environments for multi-turn GRPO (docs/environments.md), in TRL's environment API: copy one and edit it.
 
     python recipes/grpo.py --environment_factory examples/environments.py:KindFeedback      # the tiny model
-    python -m verl_kit.data.tasks arith --lo 100 --hi 999 --ops '*' --out data/arith_tool \\
-        --instruction "Use the calculate tool if it helps, then reply with only the number."
-    python recipes/grpo.py --model_name_or_path smollm2-135m --dataset_name data/arith_tool \\
-        --environment_factory examples/environments.py:Calculator --reward_fn none ...      # the real model
     python recipes/grpo.py --tools examples/environments.py:calculate ...                  # a plain tool function
+    # the real model on three-digit products (verl_kit/assets/calc): warm-start traces, SFT, then GRPO
+    python examples/environments.py traces --model smollm2-135m --out data/calc_traces
+    python recipes/sft.py --config recipes/configs/sft_calc.yaml
+    python recipes/grpo.py --config recipes/configs/grpo_calc.yaml
 
 KindFeedback (the `respond` path, beyond TRL): the embedded tiny task (a kind reply) with a checker that answers
 the model's reply as the user until it is kind or two tries are spent; get_reward() scores the last reply.
@@ -15,8 +15,11 @@ last number is the row's `answer`.
 
 from __future__ import annotations
 
+import argparse
 import ast
+import json
 import operator
+import os
 import re
 
 KIND = {"lovely", "bright", "warm", "kind", "calm", "gentle", "wonderful", "charming", "cheerful", "delightful",
@@ -87,3 +90,44 @@ class Calculator:
     def get_reward(self) -> float:
         numbers = re.findall(r"-?\d+(?:\.\d+)?", getattr(self, "final", ""))
         return float(bool(numbers) and numbers[-1] == self.answer)
+
+
+# ---- warm-start traces: a model that never calls the tool learns the format from a few hundred SFT examples -------
+def calculator_traces(rows: list[dict], model: str) -> list[dict]:
+    """One SFT `messages` row per dataset row: the question, a well-formed `calculate` call of its expression, the
+    tool's result and the answer, rendered as an episode renders them (Episodes.trace: the tools in the system
+    message for a template without tool support, the result inserted as the loop inserts it)."""
+    from verl_kit.models.loading import load_tokenizer, resolve_model_path
+    from verl_kit.rollout.episodes import Episodes
+
+    episodes = Episodes(None, load_tokenizer(resolve_model_path(model)), model, Calculator)
+    out = []
+    for i, row in enumerate(rows, 1):
+        expression = re.search(r"What is (.+?)\?", row["prompt"][-1]["content"]).group(1)
+        call = json.dumps({"name": "calculate", "arguments": {"expression": expression}})
+        out.append({"messages": episodes.trace(row, [f"<tool_call>{call}</tool_call>", row["answer"]], i)})
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="write warm-start traces (SFT messages rows) for the Calculator")
+    parser.add_argument("task", choices=["traces"])
+    parser.add_argument("--model", default="smollm2-135m", help="the model whose chat template renders them")
+    parser.add_argument("--data", default=None, help="task directory (default: the shipped verl_kit/assets/calc)")
+    parser.add_argument("--out", required=True, help="output directory for train.jsonl and test.jsonl")
+    parser.add_argument("--n_train", type=int, default=400)
+    parser.add_argument("--n_test", type=int, default=32)
+    args = parser.parse_args(argv)
+    from verl_kit.data.tasks import CALC, write_jsonl
+
+    data = args.data or CALC
+    os.makedirs(args.out, exist_ok=True)
+    for split, n in (("train", args.n_train), ("test", args.n_test)):
+        with open(os.path.join(data, f"{split}.jsonl")) as f:
+            rows = [json.loads(line) for line, _ in zip(f, range(n))]
+        write_jsonl(os.path.join(args.out, f"{split}.jsonl"), calculator_traces(rows, args.model))
+    print(f"wrote {args.n_train} train and {args.n_test} test traces to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

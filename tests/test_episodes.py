@@ -101,7 +101,8 @@ def test_tool_calls_failures_and_timeout_are_counted(tokenizer):
 def test_calculator_example_environment(tokenizer):
     """examples/environments.py:Calculator as --environment_factory loads it: the model's call to `calculate` gets
     924 * 607 = 560868 back, its final reply is checked against the row's answer by get_reward (1, then 0 for a
-    wrong reply), and a reward of the environment alone is allowed (--reward_fn none)."""
+    wrong reply), and a reward of the environment alone is allowed (--reward_fn none). Its warm-start trace for the
+    SFT recipe (examples/environments.py traces) renders to the episode's token ids exactly."""
     from verl_kit.config import load_object
     from verl_kit.rewards import Rewards
 
@@ -115,6 +116,12 @@ def test_calculator_example_environment(tokenizer):
         assert ro.env_reward.tolist() == [reward] and ro.episodes[0]["tool_calls"] == 1
         scores = Rewards("none", None, None, tokenizer=tokenizer, env_reward=True).of_rollout([row], ro)
         assert scores.tolist() == [reward]
+        if reward:  # the warm-start trace of this row (SFT messages) renders to exactly this episode's tokens
+            traces = load_object("traces", "examples/environments.py:calculator_traces")
+            messages = traces([row], "tiny-llama")[0]["messages"]
+            assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+            rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+            assert rendered == ro.prompt_ids[0] + ro.response_ids[0][ro.sequence_mask[0]].tolist()
 
 
 class Raising:

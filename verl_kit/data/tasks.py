@@ -4,10 +4,11 @@ seed.
 arith   "What is 17 + 25? Reply with only the number." (operands 1..30): chat-message `prompt`, reference `answer` (a
         string, "42"). 128 held-out problems (test.jsonl) never appear in train.jsonl (3000 rows drawn from the other
         772 problems, each 3-4 times). Scored with `verl_kit.rewards:final_number`. Regenerate the shipped files with
-        `python -m verl_kit.data.tasks arith`; recipes/configs/grpo_arith.yaml trains on it. Multi-digit problems for
-        the calculator tool (examples/environments.py, docs/environments.md): `python -m verl_kit.data.tasks arith
-        --lo 100 --hi 999 --ops '*' --out data/arith_tool --instruction "Use the calculate tool if it helps, then
-        reply with only the number."`.
+        `python -m verl_kit.data.tasks arith`; recipes/configs/grpo_arith.yaml trains on it.
+calc    "What is 924 * 607? Use the calculate tool, then reply with only the number." (operands 100..999): the same
+        columns, 2000 train rows, 128 held-out problems; for the calculator tool (examples/environments.py:Calculator,
+        recipes/configs/grpo_calc.yaml). SmolLM2-135M-Instruct gets none right without the tool and never calls it
+        unprompted; `python -m verl_kit.data.tasks calc` rewrites the shipped files.
 
 Why this task for SmolLM2-135M-Instruct (measured with vLLM on the 128 held-out prompts, final_number as the
 scorer): the model knows the form and often the sum ("14 + 9 = 23"), but not reliably: greedy it is right on 0.33 of
@@ -30,6 +31,9 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 ARITH = str(ASSETS / "arith")  # directory with train.jsonl and test.jsonl, for --dataset_name
 
 ARITH_INSTRUCTION = "Reply with only the number."
+CALC = str(ASSETS / "calc")  # three-digit products for the calculator tool (examples/environments.py)
+CALC_INSTRUCTION = "Use the calculate tool, then reply with only the number."
+
 def arith_problems(lo: int = 1, hi: int = 30, ops: str = "+") -> list[tuple[int, str, int]]:
     """Every problem (a, op, b) with lo <= a, b <= hi, in a fixed order; subtraction only where a >= b."""
     return [(a, op, b) for op in ops for a in range(lo, hi + 1) for b in range(lo, hi + 1)
@@ -81,20 +85,22 @@ def write_arith(out_dir: str = ARITH, **kwargs) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m verl_kit.data.tasks", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="task", required=True)
-    arith = sub.add_parser("arith", help="write the arith task (train.jsonl, test.jsonl)")
-    arith.add_argument("--out", default=ARITH, help="output directory (default: the shipped assets/arith)")
-    arith.add_argument("--n_train", type=int, default=3000)
-    arith.add_argument("--n_test", type=int, default=128)
-    arith.add_argument("--seed", type=int, default=0)
-    arith.add_argument("--hi", type=int, default=30, help="largest operand (operands are lo..hi)")
-    arith.add_argument("--lo", type=int, default=1, help="smallest operand")
-    arith.add_argument("--ops", default="+", help="operators to draw from, e.g. '+*'")
-    arith.add_argument("--instruction", default=ARITH_INSTRUCTION, help="text after the question")
+    presets = (("arith", ARITH, dict(n_train=3000, lo=1, hi=30, ops="+", instruction=ARITH_INSTRUCTION)),
+               ("calc", CALC, dict(n_train=2000, lo=100, hi=999, ops="*", instruction=CALC_INSTRUCTION)))
+    for task, out, defaults in presets:
+        p = sub.add_parser(task, help=f"write the {task} task (train.jsonl, test.jsonl)")
+        p.add_argument("--out", default=out, help=f"output directory (default: the shipped assets/{task})")
+        p.add_argument("--n_train", type=int, default=defaults["n_train"])
+        p.add_argument("--n_test", type=int, default=128)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--hi", type=int, default=defaults["hi"], help="largest operand (operands are lo..hi)")
+        p.add_argument("--lo", type=int, default=defaults["lo"], help="smallest operand")
+        p.add_argument("--ops", default=defaults["ops"], help="operators to draw from, e.g. '+*'")
+        p.add_argument("--instruction", default=defaults["instruction"], help="text after the question")
     args = parser.parse_args(argv)
-    if args.task == "arith":
-        n_train, n_test = write_arith(args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, hi=args.hi,
-                                      lo=args.lo, ops=args.ops, instruction=args.instruction)
-        print(f"wrote {n_train} train and {n_test} test rows to {args.out}")
+    n_train, n_test = write_arith(args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, hi=args.hi,
+                                  lo=args.lo, ops=args.ops, instruction=args.instruction)
+    print(f"wrote {n_train} train and {n_test} test rows to {args.out}")
 
 
 if __name__ == "__main__":

@@ -163,6 +163,23 @@ class Episodes:
             return None if reply is None else [self.env_message("user", str(reply))]
         return None
 
+    def trace(self, row: dict, turns: list[str], row_no: int = 1, source: str = "dataset") -> list[dict]:
+        """The conversation an episode of `row` shows the model when it writes the assistant texts `turns`, as
+        `messages` for the SFT recipe: warm-start traces for a model that never calls the tools. The prompt is the
+        episode's (under the fallback, the tools described in the system message), each turn's tool calls run for
+        real and their results come back as the loop inserts them; it stops where the episode would end."""
+        if self.native_tools:
+            raise UserError(f"{self.model_name}: the chat template renders tools itself; warm-start traces are written "
+                            "for templates without tool support (tools in the system message)")
+        ep = self.start(row, row_no, source)
+        for text in turns:
+            ep.messages.append({"role": "assistant", "content": text})
+            new = self.react(ep, text)
+            if not new:
+                break
+            ep.messages += new
+        return ep.messages
+
     def run(self, rows: list[dict], row_numbers: list[int], params: SamplingParams, source: str = "dataset"
             ) -> Rollout:
         """One episode per entry of `rows` (the caller repeats a row for each of its samples): a Rollout of

@@ -90,8 +90,9 @@ def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score,
     lockstep). The torch RNG is forked, so a run samples the same training rollouts with or without evaluation. With
     `params.seed`, every response gets its own seed (the seed plus its prompt's position). With `params.n` > 1
     responses per prompt, also eval/pass@k for k = 1, 2, 4, ... <= n: the mean over prompts of the unbiased pass@k
-    (algos.pass_at_k), a response passing when its score is >= `pass_threshold`. `extra(rows, rollout) -> {name: (B,)}`
-    (optional): more per-response values, each reported as its mean over the responses, eval/<name>."""
+    (algos.pass_at_k), a response passing when its score is >= `pass_threshold`. Multi-turn episodes add
+    eval/tools/call_frequency and eval/tools/failure_frequency (as the training metrics). `extra(rows, rollout) ->
+    {name: (B,)}` (optional): more per-response values, each reported as its mean over the responses, eval/<name>."""
     prompts, rows = split.ids, split.rows
     world, rank, n = accelerator.num_processes, accelerator.process_index, len(prompts)
     mine = shard(n, rank, world)
@@ -110,6 +111,10 @@ def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score,
             real = torch.tensor([rank + world * (i + k) < n for k in range(len(idx))])  # not shard()'s wrap-around
             tally.add(responses=float(real.sum()) * params.n, score=scores[real],
                       tokens=ro.response_mask.view(len(idx), params.n, -1)[real])
+            if ro.episodes is not None:  # multi-turn: tool calls (and failed ones) per episode
+                calls = torch.tensor([[e["tool_calls"], e["tool_failures"]] for e in ro.episodes], dtype=torch.float64)
+                calls = calls.view(len(idx), params.n, 2)[real]
+                tally.add(tool_calls=calls[..., 0], tool_failures=calls[..., 1])
             for name, values in (extra(rows_of, ro) if extra else {}).items():
                 tally.add(**{f"extra/{name}": values.view(len(idx), params.n)[real]})
             if params.n > 1:
@@ -118,6 +123,9 @@ def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score,
     t = tally.reduce()
     return {"eval/reward_mean": t["score"] / t["responses"], "eval/response_length": t["tokens"] / t["responses"],
             **{f"eval/pass@{k}": t[f"pass@{k}"] / t["prompts"] for k in ks},
+            **({"eval/tools/call_frequency": t["tool_calls"] / t["responses"],
+                "eval/tools/failure_frequency": t["tool_failures"] / max(t["tool_calls"], 1)}
+               if "tool_calls" in t else {}),
             **{f"eval/{k[len('extra/'):]}": v / t["responses"] for k, v in t.items() if k.startswith("extra/")}}
 
 
