@@ -48,13 +48,14 @@ def bench_env() -> dict:
     return env
 
 
-def build_model(out_dir: Path = RESULTS / "cache" / "tiny-llama-20m") -> str:
-    """The bench model (built once, then reused): verl_kit's tiny Llama scaled up to ~20M parameters."""
+def build_model(out_dir: Path = RESULTS / "cache" / "tiny-llama-20m", seed: int = 0) -> str:
+    """The bench model (built once, then reused): verl_kit's tiny Llama scaled up to ~20M parameters, its weights
+    initialised from `seed` (another seed: the same architecture and tokenizer, other weights)."""
     from verl_kit.models import build_tiny_model
 
     if not (out_dir / "config.json").is_file():
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        build_tiny_model(str(out_dir), **MODEL_SHAPE)
+        build_tiny_model(str(out_dir), **MODEL_SHAPE, seed=seed)
     return str(out_dir)
 
 
@@ -450,7 +451,7 @@ def step_clock():
     return Clock()
 
 
-# ---- online comparisons (ppo, grpo): step time of ours against a TRL trainer on two prompt workloads -------------
+# ---- online comparisons (ppo, grpo, distill): step time of ours against a TRL trainer on two prompt workloads -----
 
 LENGTH = 32  # generated tokens per response, EOS ignored on both sides
 
@@ -473,7 +474,7 @@ def step_times(ends: list[float], warmup: int) -> list[float]:
 
 
 def run_online(args, out: Path, tag: str, recipe: str, extra: list[str]) -> dict:
-    """recipes/<recipe> (ppo.py or grpo.py) for warmup + steps steps of one PPO epoch / GRPO iteration of one
+    """recipes/<recipe> (ppo.py, grpo.py or distill.py) for warmup + steps steps of one PPO epoch / iteration of one
     minibatch of one micro-batch (64 sequences), responses of exactly LENGTH tokens: step times (metrics.jsonl
     elapsed_s) and its timing split."""
     one_update = ["--num_ppo_epochs", "1"] if recipe == "ppo.py" else ["--num_iterations", "1"]
