@@ -473,40 +473,46 @@ def step_times(ends: list[float], warmup: int) -> list[float]:
     return [b - a for a, b in zip(ends, ends[1:])][max(warmup - 1, 0):]
 
 
-def run_online(args, out: Path, tag: str, recipe: str, extra: list[str]) -> dict:
+def run_online(args, out: Path, tag: str, recipe: str, extra: list[str], length: int | None = None) -> dict:
     """recipes/<recipe> (ppo.py, grpo.py or distill.py) for warmup + steps steps of one PPO epoch / iteration of one
-    minibatch of one micro-batch (64 sequences), responses of exactly LENGTH tokens: step times (metrics.jsonl
-    elapsed_s) and its timing split."""
+    minibatch of one micro-batch (64 sequences), responses of exactly LENGTH tokens (`length`: responses of at most
+    that many tokens, EOS kept, e.g. multi-turn episodes): step times (metrics.jsonl elapsed_s), its timing split and
+    the measured steps' metrics."""
     one_update = ["--num_ppo_epochs", "1"] if recipe == "ppo.py" else ["--num_iterations", "1"]
     cmd = [PYTHON, str(ROOT / "recipes" / recipe), "--model_name_or_path", args.model, "--output_dir", str(out / tag),
-           "--max_steps", str(args.warmup + args.steps), "--max_completion_length", str(LENGTH),
-           "--ignore_eos", "true", *one_update, "--num_mini_batches", "1", "--per_device_train_batch_size", "64",
+           "--max_steps", str(args.warmup + args.steps), "--max_completion_length", str(length or LENGTH),
+           "--ignore_eos", str(length is None).lower(), *one_update, "--num_mini_batches", "1",
+           "--per_device_train_batch_size", "64",
            "--gradient_checkpointing", "false",
            "--learning_rate", "1e-5", "--logging_steps", "1", "--lr_scheduler_type", "constant",
            "--dataset_test_split", "none", *extra]
     run(cmd, out / f"{tag}.log", args.timeout, prefix=f"[{tag}] ")
     rows = [json.loads(line) for line in (out / tag / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert all(r["response_length/mean"] == LENGTH for r in rows), "EOS was not ignored"
+    assert length or all(r["response_length/mean"] == LENGTH for r in rows), "EOS was not ignored"
     m = rows[args.warmup:]
     return {"step_s": step_times([r["elapsed_s"] for r in rows], args.warmup),
             "gen_s": [r["timing_s/gen"] for r in m], "inner_step_s": [r["timing_s/step"] for r in m],
-            "timing": {k: median([r[k] for r in m]) for k in m[0] if k.startswith("timing_s/")}}
+            "timing": {k: median([r[k] for r in m]) for k in m[0] if k.startswith("timing_s/")}, "metrics": m}
 
 
 def run_online_peer(args, out: Path, tag: str, script: str, worker: str, extra: list[str],
                     env: dict | None = None) -> dict:
-    """`bench/<script> <worker>` (a TRL trainer timed by step_clock, saved to <out>/<tag>/steps.json): step times."""
+    """`bench/<script> <worker>` (a TRL trainer timed by step_clock, saved to <out>/<tag>/steps.json): step times,
+    and whatever else per step the worker saved there."""
     cmd = [PYTHON, str(BENCH / script), worker, "--model", args.model, "--out", str(out / tag),
            "--steps", str(args.warmup + args.steps), *extra]
     run(cmd, out / f"{tag}.log", args.timeout, env=env, prefix=f"[{tag}] ")
-    return {"step_s": step_times(json.loads((out / tag / "steps.json").read_text())["step_end_times"], args.warmup)}
+    saved = json.loads((out / tag / "steps.json").read_text())
+    return {**{k: v for k, v in saved.items() if k not in ("step_time_s", "step_cpu_s", "step_end_times")},
+            "step_s": step_times(saved["step_end_times"], args.warmup)}
 
 
 def compare_workloads(args, data: dict, results: dict, lines: list, key: str, peer: str, ours_fn, peer_fn) -> None:
-    """For each workload not in args.skip (mixed, then uniform; the order of ours and the peer alternates): run both
-    (fn(tag, prompts path)), store the figures in results[workload] and append the summary line (`key` for mixed,
-    `key`_uniform); ratio = peer step time / ours."""
-    for n, workload in enumerate(w for w in ("mixed", "uniform") if w not in args.skip):
+    """For each workload of `data` (name -> prompts path; prompt_sets: mixed, then uniform) not in args.skip (the
+    order of ours and the peer alternates): run both (fn(tag, prompts path)), store the figures in results[workload]
+    and append the summary line (`key` for the first workload of `data`, `key`_<workload> for the others);
+    ratio = peer step time / ours."""
+    for n, workload in enumerate(w for w in data if w not in args.skip):
         jobs = [("ours", ours_fn), ("trl", peer_fn)]
         got = {name: fn(f"{key}-{workload}-{name}", data[workload])
                for name, fn in (jobs if n % 2 == 0 else jobs[::-1])}
@@ -517,7 +523,7 @@ def compare_workloads(args, data: dict, results: dict, lines: list, key: str, pe
         print(f"{workload}: ours {ours:.2f}s/step (generation {100 * gen:.0f}%; "
               + ", ".join(f"{k[9:]} {v:.2f}" for k, v in got["ours"]["timing"].items()) + f"), {peer} "
               f"{trl:.2f}s/step", flush=True)
-        lines.append(summary_line(key if workload == "mixed" else f"{key}_uniform", trl / ours,
+        lines.append(summary_line(key if workload == next(iter(data)) else f"{key}_{workload}", trl / ours,
                                   f"{workload} prompts: ours {ours:.2f}s/step vs {peer} {trl:.2f}s/step, "
                                   f"ours gen share {gen:.2f}"))
 
