@@ -91,6 +91,22 @@ class DistillConfig(OnlineConfig):
         "help": "weight of the task reward (--reward_fn; centred on its prompt's mean) added to every token's "
                 "advantage (--loss_type reverse_kl); 0: the reward is only logged and evaluated"})
 
+    @property
+    def has_reward(self) -> bool:
+        return bool(self.reward_model_name_or_path) or any(
+            s.strip() not in ("", "none") for s in (self.reward_fn or "").split(","))
+
+    def check(self, world: int) -> None:
+        super().check(world)
+        if not self.teacher_model_name_or_path:
+            raise UserError("--teacher_model_name_or_path is required: the frozen model the student learns from")
+        if not 0.0 <= self.beta <= 1.0:
+            raise UserError(f"--beta {self.beta}: the JSD interpolation coefficient must be in [0, 1]")
+        mixable = self.loss_type == "reverse_kl" and self.num_generations >= 2 and self.has_reward
+        if self.task_reward_coef and not mixable:
+            raise UserError(f"--task_reward_coef {self.task_reward_coef} needs --loss_type reverse_kl, "
+                            "--num_generations >= 2 and a --reward_fn (or --reward_model_name_or_path)")
+
 
 def teacher_view(disagreement: torch.Tensor, response_ids: torch.Tensor, n: int, tokenizer) -> dict:
     """A sampled response's mean log p - log q over its n tokens, and its three most disputed tokens with theirs."""
@@ -102,15 +118,6 @@ def teacher_view(disagreement: torch.Tensor, response_ids: torch.Tensor, n: int,
 @main_guard
 def main():
     cfg = parse_args(DistillConfig)
-    if not cfg.teacher_model_name_or_path:
-        raise UserError("--teacher_model_name_or_path is required: the frozen model the student learns from")
-    if not 0.0 <= cfg.beta <= 1.0:
-        raise UserError(f"--beta {cfg.beta}: the JSD interpolation coefficient must be in [0, 1]")
-    has_reward = bool(cfg.reward_model_name_or_path) or any(
-        s.strip() not in ("", "none") for s in (cfg.reward_fn or "").split(","))
-    if cfg.task_reward_coef and (cfg.loss_type != "reverse_kl" or cfg.num_generations < 2 or not has_reward):
-        raise UserError(f"--task_reward_coef {cfg.task_reward_coef} needs --loss_type reverse_kl, --num_generations "
-                        ">= 2 and a --reward_fn (or --reward_model_name_or_path)")
     accelerator = make_accelerator(cfg)
     world, device = accelerator.num_processes, accelerator.device
     cfg.check(world)
@@ -137,7 +144,7 @@ def main():
         raise UserError(f"--loss_type jsd compares whole distributions: the student has {widths[0]} logits and the "
                         f"teacher {widths[1]}; use --loss_type reverse_kl (sampled tokens only)")
     packed = ResponsePacker(cfg, tokenizer.pad_token_id, actor.unwrapped())
-    reward = make_rewards(cfg, accelerator, tokenizer) if has_reward else None
+    reward = make_rewards(cfg, accelerator, tokenizer) if cfg.has_reward else None
     rollouts, start = start_rollouts(cfg, accelerator, actor.unwrapped(), model_path, tokenizer, train.ids,
                                      total_steps)
     log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
