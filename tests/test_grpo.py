@@ -90,6 +90,7 @@ def test_grpo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path
     wa, w0 = load_weights(a / "final"), load_weights(tiny_model_path)
     assert all(not torch.equal(w0[k], wa[k]) for k in wa)  # every tensor was trained
     assert sorted(numbers(b)) == [0, 1, 2, 3, 4]  # step 0: the held-out evaluation before any update
+    assert numbers(b)[0]["eval/tools/call_frequency"] == 0  # held-out episodes: the environment has no tools
     assert numbers(a)[4]["actor/approx_kl"] > 0  # the second pass sees a changed policy
     ra = [numbers(a)[s] for s in (1, 2, 3, 4)]
     assert any(r["rollout/gen_batches"] > 1 for r in ra), ra  # flat groups were dropped and refilled
