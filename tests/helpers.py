@@ -234,3 +234,24 @@ def assert_resume_bit_identical(cmd, a, b, checkpoint: int, *, run_a: bool = Tru
     na, nb = numbers(a, ignore), numbers(b, ignore)
     for step in compare_steps:
         assert na[step] == nb[step], (step, na[step], nb[step])
+
+
+def assert_adapter_export(final: Path, classifier: bool = False):
+    """final/ = the adapter (peft loads it onto the base), final/merged = a full model with the same outputs."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
+    assert not (final / "model.safetensors").exists()
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    base_path = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
+    kwargs = {"num_labels": 1} if classifier else {}
+    adapted = PeftModel.from_pretrained(auto.from_pretrained(base_path, dtype=torch.float32, **kwargs), str(final))
+    merged = auto.from_pretrained(str(final / "merged"), dtype=torch.float32)
+    base = auto.from_pretrained(base_path, dtype=torch.float32, **kwargs)
+    ids = torch.randint(3, 200, (1, 20))
+    with torch.no_grad():
+        out = [m.eval()(input_ids=ids).logits for m in (adapted, merged, base)]
+    assert torch.allclose(out[0], out[1], atol=1e-4), float((out[0] - out[1]).abs().max())
+    assert float((out[1] - out[2]).abs().max()) > 1e-6  # the adapter was trained (and exported)

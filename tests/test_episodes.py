@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import metrics, recipe_cmd, run
+from helpers import assert_adapter_export, launch_cmd, metrics, numbers, recipe_cmd, run
 
 from verl_kit.errors import UserError
 from verl_kit.rollout import HFGenerateBackend, Rollout, SamplingParams
@@ -162,6 +162,21 @@ class Recording:
         self.calls.append(([list(p) for p in prompts], ro))
         return ro
 
+    def __getattr__(self, name):  # the rest of the engine (HF generate's keep_prefixes) as it is
+        return getattr(self.engine, name)
+
+
+class Whole:
+    """The HF-generate backend without keep_prefixes: every turn prefills the whole episode."""
+
+    per_sample_seeds = False
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts, params):
+        return self.engine.generate(prompts, params)
+
 
 def episode_is_token_exact(ro, calls, pad) -> int:
     """Replays the engine's calls: each call's prompt for an episode is exactly its prompt + its ids so far; the
@@ -209,7 +224,10 @@ def episode_is_token_exact(ro, calls, pad) -> int:
 def test_episode_tokens_exact_hf_generate(tiny_model_path, tokenizer):
     """Episodes on the real HF-generate backend, the tiny model's EOS logit raised by 5 (a bias on the copy's output
     layer) so that turns end and the environment answers: every trained sequence equals the engine's sampled ids
-    plus the template's tokens for the replies, env tokens unmasked and without sampling log-prob."""
+    plus the template's tokens for the replies, env tokens unmasked and without sampling log-prob. Each turn after
+    the first prefills only what the episode added (keep_prefixes: the KV cache of the turn before, masked holes and
+    all): the same episodes, log-probs within 1e-5, as when every turn prefills the whole episode, and fewer tokens
+    through the model."""
     from verl_kit.models import load_causal_lm
 
     engine = HFGenerateBackend(load_causal_lm(tiny_model_path).eval(), tokenizer, "cpu", torch.float32)
@@ -219,6 +237,8 @@ def test_episode_tokens_exact_hf_generate(tiny_model_path, tokenizer):
     biased.bias.data.zero_()
     biased.bias.data[tokenizer.eos_token_id] = 5.0
     engine.model.lm_head = biased
+    fed = []
+    engine.model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True)
     rec = Recording(engine)
     eps = Episodes(rec, tokenizer, "tiny-llama", env_factory=Again, max_prompt_length=64, max_completion_length=48)
     torch.manual_seed(0)
@@ -228,6 +248,15 @@ def test_episode_tokens_exact_hf_generate(tiny_model_path, tokenizer):
     replies = [tokenizer.decode(ro.response_ids[i][ro.env_mask[i]]) for i in range(6)]
     assert any("<|user|>again 1<|end|><|assistant|>" in r for r in replies), replies
     assert ro.sequence_mask.sum(-1).max() <= 48  # the whole episode within max_completion_length
+
+    kept, fed[:] = sum(fed), []
+    whole = Episodes(Whole(engine), tokenizer, "tiny-llama", env_factory=Again, max_prompt_length=64,
+                     max_completion_length=48)
+    torch.manual_seed(0)
+    again = whole.run([ROW] * 6, [1] * 6, SamplingParams(max_new_tokens=48))
+    assert torch.equal(again.response_ids, ro.response_ids) and torch.equal(again.env_mask, ro.env_mask)
+    assert torch.allclose(again.sampling_logprobs, ro.sampling_logprobs, atol=1e-5)
+    assert kept < sum(fed), (kept, sum(fed))
 
 
 class TRLStyleEnv:
@@ -274,16 +303,21 @@ def test_trl_style_environment_runs_through_grpo(tmp_path):
 
 # ---- the same check on the vLLM backends (slow) -----------------------------------------------------------------
 
-def short_turns(model, tokenizer, steps: int = 15) -> None:
-    """A few AdamW steps on a conversation of short assistant turns ("ok" then EOS), so that sampled turns end and the
-    environment gets to answer (the random tiny model almost never samples EOS)."""
-    turns = [{"role": "user", "content": ROW["prompt"][0]["content"] + " Be brief."}]
-    for k in (1, 2, 3):
-        turns += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"again {k}"}]
-    ids = torch.tensor([tokenizer.apply_chat_template(turns[:-1], tokenize=True, return_dict=False)])
+def short_turns(model, tokenizer, steps: int = 15, prompts=(ROW["prompt"][0]["content"] + " Be brief.",),
+                replies=("again 1", "again 2", "again 3")) -> None:
+    """A few AdamW steps on conversations of short assistant turns ("ok" then EOS), one per prompt, the user's
+    `replies` between the turns, so that sampled turns end and the environment gets to answer (the random tiny
+    model almost never samples EOS)."""
+    chats = []
+    for prompt in prompts:
+        turns = [{"role": "user", "content": prompt}]
+        for reply in replies:
+            turns += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": reply}]
+        chats.append(torch.tensor([tokenizer.apply_chat_template(turns[:-1], tokenize=True, return_dict=False)]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
-    for _ in range(steps):
+    for step in range(steps):
+        ids = chats[step % len(chats)]
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -319,14 +353,42 @@ def test_episode_tokens_exact_vllm_server(vllm_server, tokenizer, tiny_model_pat
     assert out["continued"] >= 2, out
 
 
+@pytest.fixture(scope="module")
+def short_turns_path(tmp_path_factory, tiny_model_path, tokenizer):
+    """The tiny model after short_turns on embedded-task prompts, saved: greedy, it answers every turn "ok" and ends
+    it, and the example feedback environment asks again."""
+    from verl_kit.data import load_split
+    from verl_kit.models import TINY_PREFS, load_causal_lm
+
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_model_path)
+    prompts = [r["prompt"][0]["content"] for r in load_split(TINY_PREFS, "train").select(range(16))]
+    short_turns(model, tokenizer, 48, prompts, ["Please say it more kindly."] * 2)
+    out = tmp_path_factory.mktemp("short_turns")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
 @pytest.mark.slow
-def test_ppo_runs_episodes(tmp_path):
-    """recipes/ppo.py on episodes of the example feedback environment (the `respond` path), 2 steps on HF generate:
-    the critic and GAE see sampled tokens only (verl_kit.algos.gae skips the environment's)."""
-    out = tmp_path / "run"
-    run(recipe_cmd("ppo.py", ["--config", "recipes/configs/ppo_tiny.yaml", "--output_dir", str(out),
-                              "--max_steps", "2", "--prompts_per_step", "4", "--max_completion_length", "24",
-                              "--dataset_test_split", "none", "--logging_steps", "1",
-                              "--environment_factory", "examples/environments.py:KindFeedback"]), timeout=240)
-    rows = [r for r in metrics(out) if "reward/mean" in r]
-    assert len(rows) == 2 and all("episode/turns" in r and r["episode/turns"] >= 1 for r in rows), rows
+def test_ppo_lora_episodes_zero3_equals_one_process(tmp_path, short_turns_path):
+    """recipes/ppo.py with LoRA (policy and critic adapters) on episodes of the example feedback environment (the
+    `respond` path), 2 steps on HF generate, greedy (top_k 1) from the short-turns model, so every episode is 3 turns
+    (ok, "Please say it more kindly.", ok, ..., ok) and both runs draw the same ones: ZeRO-3 x2 (2 prompts per
+    process) gives one process's losses, grad norms and values (the critic and GAE see sampled tokens only:
+    verl_kit.algos.gae skips the environment's), and the adapter is exported."""
+    args = ["--config", "recipes/configs/ppo_tiny.yaml", "--model_name_or_path", short_turns_path, "--max_steps", "2",
+            "--prompts_per_step", "4", "--max_completion_length", "40", "--dataset_test_split", "none",
+            "--logging_steps", "1", "--top_k", "1", "--use_peft", "--lora_r", "8", "--lora_alpha", "16",
+            "--lora_dropout", "0", "--environment_factory", "examples/environments.py:KindFeedback"]
+    run(recipe_cmd("ppo.py", [*args, "--output_dir", str(tmp_path / "one")]), timeout=240)
+    run(launch_cmd("zero3.yaml", 2, "ppo.py", [*args, "--output_dir", str(tmp_path / "z3")]), timeout=300)
+    one, two = numbers(tmp_path / "one"), numbers(tmp_path / "z3")
+    print({s: {k: one[s][k] for k in sorted(one[s]) if "loss" in k or "turns" in k} for s in one})
+    for step in (1, 2):
+        assert one[step]["episode/turns"] == 3 and one[step]["episode/env_token_share"] > 0.3, one[step]
+        for k in ("reward/mean", "episode/turns", "episode/env_token_share", "actor/pg_loss", "critic/vf_loss",
+                  "grad_norm", "critic/grad_norm"):
+            assert two[step][k] == pytest.approx(one[step][k], rel=1e-3, abs=1e-6), (step, k, one[step], two[step])
+    assert one[2]["actor/pg_loss"] != one[1]["actor/pg_loss"]  # the update changed the policy
+    assert_adapter_export(tmp_path / "z3" / "final")

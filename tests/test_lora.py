@@ -3,14 +3,13 @@ reference, every recipe in one process or ZeRO-3 x2, exports peft loads (and mer
 vLLM weight sync at the fp32 bound on a tied model, GRPO with LoRA learning the embedded task, and bad input as one
 line."""
 
-import json
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_resume_bit_identical, launch_cmd, metrics, recipe_cmd, run
+from helpers import assert_adapter_export, assert_resume_bit_identical, launch_cmd, metrics, recipe_cmd, run
 
 from verl_kit.config import TrainConfig, parse_args
 from verl_kit.errors import UserError
@@ -134,25 +133,6 @@ def test_reference_is_the_base_model(tiny_model_path):
 QUICK = ["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2"]
 RECIPES = {"dpo.py": [], "kto.py": [], "sft.py": [], "reward_model.py": [],
            "ppo.py": ["--prompts_per_step", "8"], "grpo.py": ["--prompts_per_step", "8"]}
-
-
-def assert_adapter_export(final: Path, classifier: bool = False):
-    """final/ = the adapter (peft loads it onto the base), final/merged = a full model with the same outputs."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
-    assert not (final / "model.safetensors").exists()
-    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
-    base_path = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
-    kwargs = {"num_labels": 1} if classifier else {}
-    adapted = PeftModel.from_pretrained(auto.from_pretrained(base_path, dtype=torch.float32, **kwargs), str(final))
-    merged = auto.from_pretrained(str(final / "merged"), dtype=torch.float32)
-    base = auto.from_pretrained(base_path, dtype=torch.float32, **kwargs)
-    ids = torch.randint(3, 200, (1, 20))
-    out = [logits(m.eval(), ids) for m in (adapted, merged, base)]
-    assert torch.allclose(out[0], out[1], atol=1e-4), float((out[0] - out[1]).abs().max())
-    assert float((out[1] - out[2]).abs().max()) > 1e-6  # the adapter was trained (and exported)
 
 
 # Every recipe once: DPO's in one process and under ZeRO-3 x2 in test_dpo_lora_zero3_matches_one_process_and_learns,

@@ -9,11 +9,19 @@ The HF-generate backend keeps a plain (unsharded, hook-free) copy of the policy 
 generate on the training engine would all-gather every layer's parameters again at every generated token; here they
 are gathered once per update, parameter by parameter (`load_weights`), and generation then runs at plain-model speed
 (measured in README). The price is one unsharded copy of the policy per process (in bf16 on GPU).
+
+Multi-turn episodes (rollout.episodes) generate each turn from the whole episode so far. Inside `keep_prefixes()`
+the backend keeps each call's KV cache, and a call whose prompts extend rows of the previous call (the next turn)
+prefills only each row's new tokens (the environment's reply, the last turn's EOS): the cached columns stay where
+they are, the finished rows' padding is masked out, and the new tokens enter as a left-padded block after them
+(positions come from the attention mask, so the holes do not shift them). A vLLM engine caches prefixes itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +58,44 @@ class _RecordSampling:
         return scores
 
 
+@dataclass
+class _Kept:
+    """The last call's batch, kept for the next turn: each row's tokens (prompt and response up to its EOS), the
+    (B, W) token and attention columns, and the KV cache of the first W - 1 columns (the last sampled token has none
+    yet)."""
+
+    rows: list[list[int]]
+    ids: torch.Tensor
+    mask: torch.Tensor
+    cache: object
+
+    def extend(self, prompts: list[list[int]], pad: int):
+        """(input_ids, attention_mask, cache) for `prompts` if each extends a kept row by at least one token, else
+        None (the caller prefills from scratch)."""
+        C = self.cache.get_seq_length()
+        by_tokens = {tuple(r): i for i, r in enumerate(self.rows)}
+        lengths = sorted({len(r) for r in self.rows})
+        picked, tails = [], []
+        for p in prompts:
+            i = next((by_tokens[k] for n in lengths if (k := tuple(p[:n])) in by_tokens), None)
+            if i is None:
+                return None
+            tail = p[int(self.mask[i, :C].sum()):]  # what the cache holds of row i is its first tokens, in order
+            if not tail:
+                return None
+            picked.append(i)
+            tails.append(tail)
+        S = max(map(len, tails))
+        block = torch.full((len(prompts), S), pad, dtype=torch.long)
+        block_mask = torch.zeros((len(prompts), S), dtype=torch.long)
+        for j, t in enumerate(tails):  # left padding again: every response starts at column C + S
+            block[j, S - len(t):] = torch.tensor(t)
+            block_mask[j, S - len(t):] = 1
+        ix = torch.tensor(picked)
+        self.cache.batch_select_indices(ix.to(self.cache.layers[0].keys.device))
+        return (torch.cat([self.ids[ix, :C], block], 1), torch.cat([self.mask[ix, :C], block_mask], 1), self.cache)
+
+
 class HFGenerateBackend:
     """Generation with transformers' `generate` on a plain copy of the policy (see the module docstring)."""
 
@@ -64,7 +110,18 @@ class HFGenerateBackend:
         self.model = type(plain)(plain.config).to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.model.config.use_cache = True
         self.tokenizer, self.device = tokenizer, device
+        self._keeping, self._kept = False, None
         self.load_weights(actor)
+
+    @contextlib.contextmanager
+    def keep_prefixes(self):
+        """Within it, every call keeps its KV cache for the next, which prefills only what its prompts add to the
+        previous call's rows (see the module docstring); the cache is dropped on exit and at every weight sync."""
+        self._keeping = True
+        try:
+            yield
+        finally:
+            self._keeping, self._kept = False, None
 
     def close(self) -> None:
         """Nothing to release (the vLLM backends stop their engine or server here)."""
@@ -79,6 +136,7 @@ class HFGenerateBackend:
         under ZeRO-3, a LoRA adapter merged). Collective: every process calls it, at the same point. `version`: the
         optimizer step that produced the weights."""
         t0 = time.time()
+        self._kept = None  # computed with the old weights
         for tensors, _ in gathered_buckets(actor, self.BUCKET_BYTES):
             for name, t in tensors.items():
                 self.model.get_parameter(name).copy_(t)
@@ -90,23 +148,32 @@ class HFGenerateBackend:
 
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         prompts_n = [p for p in prompts for _ in range(params.n)]
-        P = max(len(p) for p in prompts_n)
-        input_ids = torch.full((len(prompts_n), P), pad, dtype=torch.long)
-        attention = torch.zeros((len(prompts_n), P), dtype=torch.long)
-        for i, p in enumerate(prompts_n):  # left padding: every response starts at column P
-            input_ids[i, P - len(p):] = torch.tensor(p)
-            attention[i, P - len(p):] = 1
+        kept, self._kept = self._kept, None
+        extended = kept.extend(prompts_n, pad) if kept is not None else None
+        if extended is not None:
+            input_ids, attention, cache = extended
+        else:
+            P = max(len(p) for p in prompts_n)
+            input_ids = torch.full((len(prompts_n), P), pad, dtype=torch.long)
+            attention = torch.zeros((len(prompts_n), P), dtype=torch.long)
+            for i, p in enumerate(prompts_n):  # left padding: every response starts at column P
+                input_ids[i, P - len(p):] = torch.tensor(p)
+                attention[i, P - len(p):] = 1
+            cache = None
+        P = input_ids.shape[1]
         record = _RecordSampling(params, P)
         config = GenerationConfig(
             do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=params.max_new_tokens,
             min_new_tokens=params.max_new_tokens if params.ignore_eos else 0, eos_token_id=eos, pad_token_id=pad,
-            repetition_penalty=1.0, use_cache=True)
+            repetition_penalty=1.0, use_cache=True, return_dict_in_generate=True)
         # synced_gpus=False: this copy is whole on every process, so generation is local. transformers would sync
         # every decoding step over all processes whenever a ZeRO-3 config is registered (as under a ZeRO-3 launch), and
         # then every process must call generate as often as the others: multi-turn episodes end after different
         # numbers of turns on different processes.
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-                                  generation_config=config, logits_processor=[record], synced_gpus=False)
+                                  past_key_values=cache, generation_config=config, logits_processor=[record],
+                                  synced_gpus=False)
+        out, cache = out.sequences, out.past_key_values
         response = out[:, P:].cpu()
         record.take(out[:, -1])
         logprobs = torch.stack(record.logprobs, 1).cpu()
@@ -114,4 +181,15 @@ class HFGenerateBackend:
         ended = is_eos.long().cumsum(-1)
         mask = (ended == 0) | (is_eos & (ended == 1))  # up to and including the first EOS
         response = response.masked_fill(~mask, pad)
+        if self._keeping and _plain_layers(cache):
+            self._kept = _Kept([p + r[m].tolist() for p, r, m in zip(prompts_n, response, mask)], out.cpu(),
+                               torch.cat([attention, mask.long()], 1), cache)
         return Rollout(prompts_n, response, mask, logprobs.masked_fill(~mask, 0.0), ~is_eos.any(-1))
+
+
+def _plain_layers(cache) -> bool:
+    """Whether every layer of `cache` keeps every column (a sliding window or a linear-attention state cannot be
+    extended past masked columns this way)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return cache is not None and all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None]))
