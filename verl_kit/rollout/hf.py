@@ -14,7 +14,9 @@ Multi-turn episodes (rollout.episodes) generate each turn from the whole episode
 the backend keeps each call's KV cache, and a call whose prompts extend rows of the previous call (the next turn)
 prefills only each row's new tokens (the environment's reply, the last turn's EOS): the cached columns stay where
 they are, the finished rows' padding is masked out, and the new tokens enter as a left-padded block after them
-(positions come from the attention mask, so the holes do not shift them). A vLLM engine caches prefixes itself.
+(positions come from the attention mask, so the holes do not shift them). The same mechanism serves a group's
+samples, which share their prompt: each distinct prompt is prefilled once and its cache repeated for its samples
+(generate alone would prefill every sample). A vLLM engine caches prefixes itself.
 """
 
 from __future__ import annotations
@@ -58,6 +60,17 @@ class _RecordSampling:
         return scores
 
 
+def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) token ids and attention mask, left-padded: every response starts at column P."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p)
+        mask[i, P - len(p):] = 1
+    return ids, mask
+
+
 @dataclass
 class _Kept:
     """The last call's batch, kept for the next turn: each row's tokens (prompt and response up to its EOS), the
@@ -85,12 +98,7 @@ class _Kept:
                 return None
             picked.append(i)
             tails.append(tail)
-        S = max(map(len, tails))
-        block = torch.full((len(prompts), S), pad, dtype=torch.long)
-        block_mask = torch.zeros((len(prompts), S), dtype=torch.long)
-        for j, t in enumerate(tails):  # left padding again: every response starts at column C + S
-            block[j, S - len(t):] = torch.tensor(t)
-            block_mask[j, S - len(t):] = 1
+        block, block_mask = _left_pad(tails, pad)  # every response starts at column C + S
         ix = torch.tensor(picked)
         self.cache.batch_select_indices(ix.to(self.cache.layers[0].keys.device))
         return (torch.cat([self.ids[ix, :C], block], 1), torch.cat([self.mask[ix, :C], block_mask], 1), self.cache)
@@ -142,6 +150,22 @@ class HFGenerateBackend:
                 self.model.get_parameter(name).copy_(t)
         return {"weight_sync/seconds": time.time() - t0, "weight_sync/version": version}
 
+    def _prefill_once(self, prompts: list[list[int]], pad: int) -> _Kept | None:
+        """The KV cache of each distinct prompt but its last token, computed once (generate would prefill every
+        sample of a prompt again); the call then extends it by that token per sample. None where it cannot help."""
+        from transformers import DynamicCache
+
+        distinct = [list(p) for p in dict.fromkeys(map(tuple, prompts))]
+        ids, mask = _left_pad(distinct, pad)
+        if ids.shape[1] < 2:
+            return None
+        cache = DynamicCache(config=self.model.config)
+        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        self.model(input_ids=ids[:, :-1].to(self.device), attention_mask=mask[:, :-1].to(self.device),
+                   position_ids=position[:, :-1].to(self.device), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1)
+        return _Kept(distinct, ids, mask, cache) if _plain_layers(cache) else None
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
         from transformers import GenerationConfig
@@ -149,17 +173,13 @@ class HFGenerateBackend:
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         prompts_n = [p for p in prompts for _ in range(params.n)]
         kept, self._kept = self._kept, None
+        if kept is None and len(set(map(tuple, prompts_n))) < len(prompts_n):
+            kept = self._prefill_once(prompts_n, pad)  # a group's samples share their prompt: prefill it once
         extended = kept.extend(prompts_n, pad) if kept is not None else None
         if extended is not None:
             input_ids, attention, cache = extended
         else:
-            P = max(len(p) for p in prompts_n)
-            input_ids = torch.full((len(prompts_n), P), pad, dtype=torch.long)
-            attention = torch.zeros((len(prompts_n), P), dtype=torch.long)
-            for i, p in enumerate(prompts_n):  # left padding: every response starts at column P
-                input_ids[i, P - len(p):] = torch.tensor(p)
-                attention[i, P - len(p):] = 1
-            cache = None
+            (input_ids, attention), cache = _left_pad(prompts_n, pad), None
         P = input_ids.shape[1]
         record = _RecordSampling(params, P)
         config = GenerationConfig(
