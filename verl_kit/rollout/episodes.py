@@ -186,39 +186,44 @@ class Episodes:
         """One episode per entry of `rows` (the caller repeats a row for each of its samples): a Rollout of
         len(rows) responses (params.n is ignored) with env_mask, env_reward and episodes set."""
         eps = [self.start(row, no, source) for row, no in zip(rows, row_numbers)]
-        turn, active = 0, eps
         # HF generate then prefills only what each turn adds (the vLLM engines cache prefixes themselves)
         with getattr(self.engine, "keep_prefixes", contextlib.nullcontext)():
-            while active:
-                budget = [self.max_completion_length - len(e.ids) for e in active]
-                seed = None if params.seed is None else params.seed + turn * len(eps)
-                ro = self.engine.generate([e.prompt + e.ids for e in active],
-                                          replace(params, n=1, max_new_tokens=max(budget), seed=seed, ignore_eos=False))
-                for j, e in enumerate(active):
-                    m = ro.response_mask[j]
-                    ids, logprobs = ro.response_ids[j][m].tolist(), ro.sampling_logprobs[j][m].tolist()
-                    ended = not bool(ro.truncated[j]) and len(ids) <= budget[j]
-                    ids, logprobs = ids[:budget[j]], logprobs[:budget[j]]
-                    e.add(ids, logprobs)
-                    e.turns += 1
-                    text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                    e.messages.append({"role": "assistant", "content": text})
-                    if not ended:
-                        e.done = e.truncated = True
-                        continue
-                    new = self.react(e, text)
-                    if not new:
-                        e.done = True
-                        continue
-                    e.messages += new
-                    suffix = self.suffix_ids(new)
-                    if len(e.ids) + len(suffix) >= self.max_completion_length:  # no room for it and one more token
-                        e.done = e.truncated = True
-                        continue
-                    e.add(suffix, None)
-                active = [e for e in active if not e.done]
-                turn += 1
+            self._play(eps, params)
         return self.to_rollout(eps)
+
+    def _play(self, eps: list[_Episode], params: SamplingParams) -> None:
+        """The turns of `eps` until every episode is done: generate for the active ones, read each turn, insert the
+        environment's answer."""
+        turn, active = 0, eps
+        while active:
+            budget = [self.max_completion_length - len(e.ids) for e in active]
+            seed = None if params.seed is None else params.seed + turn * len(eps)
+            ro = self.engine.generate([e.prompt + e.ids for e in active],
+                                      replace(params, n=1, max_new_tokens=max(budget), seed=seed, ignore_eos=False))
+            for j, e in enumerate(active):
+                m = ro.response_mask[j]
+                ids, logprobs = ro.response_ids[j][m].tolist(), ro.sampling_logprobs[j][m].tolist()
+                ended = not bool(ro.truncated[j]) and len(ids) <= budget[j]
+                ids, logprobs = ids[:budget[j]], logprobs[:budget[j]]
+                e.add(ids, logprobs)
+                e.turns += 1
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                e.messages.append({"role": "assistant", "content": text})
+                if not ended:
+                    e.done = e.truncated = True
+                    continue
+                new = self.react(e, text)
+                if not new:
+                    e.done = True
+                    continue
+                e.messages += new
+                suffix = self.suffix_ids(new)
+                if len(e.ids) + len(suffix) >= self.max_completion_length:  # no room for it and one more token
+                    e.done = e.truncated = True
+                    continue
+                e.add(suffix, None)
+            active = [e for e in active if not e.done]
+            turn += 1
 
     def to_rollout(self, eps: list[_Episode]) -> Rollout:
         B, R = len(eps), max(1, max(len(e.ids) for e in eps))

@@ -150,12 +150,11 @@ class HFGenerateBackend:
                 self.model.get_parameter(name).copy_(t)
         return {"weight_sync/seconds": time.time() - t0, "weight_sync/version": version}
 
-    def _prefill_once(self, prompts: list[list[int]], pad: int) -> _Kept | None:
+    def _prefill_once(self, distinct: list[list[int]], pad: int) -> _Kept | None:
         """The KV cache of each distinct prompt but its last token, computed once (generate would prefill every
         sample of a prompt again); the call then extends it by that token per sample. None where it cannot help."""
         from transformers import DynamicCache
 
-        distinct = [list(p) for p in dict.fromkeys(map(tuple, prompts))]
         ids, mask = _left_pad(distinct, pad)
         if ids.shape[1] < 2:
             return None
@@ -173,8 +172,9 @@ class HFGenerateBackend:
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         prompts_n = [p for p in prompts for _ in range(params.n)]
         kept, self._kept = self._kept, None
-        if kept is None and len(set(map(tuple, prompts_n))) < len(prompts_n):
-            kept = self._prefill_once(prompts_n, pad)  # a group's samples share their prompt: prefill it once
+        distinct = [list(p) for p in dict.fromkeys(map(tuple, prompts_n))] if kept is None else prompts_n
+        if len(distinct) < len(prompts_n):
+            kept = self._prefill_once(distinct, pad)  # a group's samples share their prompt: prefill it once
         extended = kept.extend(prompts_n, pad) if kept is not None else None
         if extended is not None:
             input_ids, attention, cache = extended
