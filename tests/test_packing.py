@@ -138,3 +138,64 @@ def test_layout_pads_when_packing_does_not_pay():
     skewed = [[7] * 400] + [[7] * 10] * 15
     batch = layout(skewed, [[True] * len(s) for s in skewed], 0, True, 512, hidden_size=512)
     assert batch.input_ids.shape == (2, 400) and batch.attention_mask.dim() == 4
+
+
+def _groups():
+    """Prompts of 17, 14 and 12 tokens with 4, 3 and 1 completions: sequences sharing their prompts."""
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(5, 600, (n,), generator=g).tolist()  # noqa: E731
+    seqs, masks, shared = [], [], []
+    for n, completions in ((17, (9, 7, 5, 3)), (14, (8, 6, 4)), (12, (5,))):
+        prompt = rand(n)
+        for k in completions:
+            seqs.append(prompt + rand(k))
+            masks.append([False] * n + [True] * k)
+            shared.append(n - 1)
+    return seqs, masks, shared
+
+
+def test_shared_prefix_equals_padded(model):
+    """A group's prompt laid out once, its completions attending to it (layout's shared_prefix): the same per-token
+    log-probs and the same gradients as one padded row per sequence, with fewer tokens through the model. A
+    sequence past the shared 16 or 13 tokens is its completion plus the prompt's last token. Rows of 96: one unit
+    per group (prefix once: 16 + 13 tokens); rows of 36: the first group's 16 + (10 + 8) and 16 + (6 + 4), so its
+    prompt twice (45 prefix tokens). The lone sequence is laid out whole."""
+    seqs, masks, shared = _groups()
+    padded = layout(seqs, masks, pad_id=0, packing=False)
+    for row_len, prefix_tokens in ((96, 29), (36, 45)):
+        batch = layout(seqs, masks, pad_id=0, packing=True, packing_length=row_len, shared_prefix=shared)
+        assert int((batch.seq_ids >= len(seqs)).sum()) == prefix_tokens  # tokens of the shared prefix segments
+        assert batch.num_tokens == sum(map(len, seqs)) - sum(shared[:7]) + prefix_tokens
+        for b in (padded, batch):
+            model.zero_grad()
+            lp, idx = token_logprobs(forward_logits(model, b), b)
+            lp.sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            if b is padded:
+                lp_pad, idx_pad, g_pad = lp.detach(), idx, grads
+                continue
+            for s in range(len(seqs)):
+                torch.testing.assert_close(lp.detach()[idx == s], lp_pad[idx_pad == s], atol=1e-5, rtol=0)
+            for name in g_pad:
+                torch.testing.assert_close(grads[name], g_pad[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_shared_prefix_mask_and_choice():
+    """Sequences 0 and 1 share the prefix [3, 4]: the row is [3 4 | 5 6 | 5 7]; 0's tokens see the prefix and
+    themselves, never 1's; positions continue after the prefix. A prefix is never shared past the token before the
+    first scored one, and the shared layout is used only when it costs less (row_cost)."""
+    seqs, masks = [[3, 4, 5, 6], [3, 4, 5, 7]], [[False, False, False, True]] * 2
+    batch = layout(seqs, masks, 0, True, 16, shared_prefix=[2, 2])
+    assert batch.input_ids.tolist() == [[3, 4, 5, 6, 5, 7]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 2, 3]]
+    allowed = (batch.attention_mask[0, 0] == 0).int().tolist()
+    assert allowed == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0],
+                       [1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 1, 1]]
+    assert batch.input_ids[:, 1:][batch.scored].tolist() == [6, 7]
+    # asked to share 3 tokens, it shares 2: token 5 predicts the scored 6/7, so each sequence keeps its own
+    assert layout(seqs, masks, 0, True, 16, shared_prefix=[3, 3]).input_ids.tolist() == [[3, 4, 5, 6, 5, 7]]
+    # completions of 38 tokens after a 2-token prompt, h = 8: sharing saves one token but one row of 79 costs
+    # 79 (1 + 79/48) = 209 against two padded rows of 40, 2 * 40 (1 + 40/48) = 147
+    long = [[3, 4] + [5] * 38, [3, 4] + [6] * 38]
+    plain = layout(long, [[False] * 2 + [True] * 38] * 2, 0, True, 128, hidden_size=8, shared_prefix=[1, 1])
+    assert plain.input_ids.tolist() == long and plain.attention_mask.dim() == 2

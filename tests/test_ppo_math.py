@@ -201,19 +201,21 @@ def test_token_mean_invariant_to_rank_and_microbatch_split():
 
 def test_packed_response_logprobs_match_plain_forward(tiny_model_path):
     """The packed, block-masked forward with ResponseIndex scattering puts each response token's log-prob at
-    (row, position) exactly where a plain per-sequence forward puts it."""
+    (row, position) exactly where a plain per-sequence forward puts it; rows 2 and 3 share their prompt (laid out
+    once, layout's shared_prefix)."""
     from verl_kit.models import load_causal_lm
     from verl_kit.train import actor_logits, pack_responses
 
     model = load_causal_lm(tiny_model_path).eval()
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    response = torch.tensor([[20, 21, 22, 0], [30, 31, 0, 0], [40, 41, 42, 43]])
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
-    out = torch.zeros(3, 4)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [10, 11, 12, 13]]
+    response = torch.tensor([[20, 21, 22, 0], [30, 31, 0, 0], [40, 41, 42, 43], [50, 51, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    out = torch.zeros(4, 4)
     with torch.no_grad():
-        batch, ix = pack_responses(prompts, response, mask, [2, 0, 1], 0, True, 64, True)
+        batch, ix = pack_responses(prompts, response, mask, [2, 0, 3, 1], 0, True, 64, True)
+        assert batch.num_tokens == 3 + 3 + 2 + 2 + 4 + 4 + 2 + 1  # row 3 continues row 2's first 3 prompt tokens
         out[ix.row, ix.pos] = logprobs_from_logits(actor_logits(model, batch, ix, 0.7), ix.targets)
-        for b in range(3):
+        for b in range(4):
             n = int(mask[b].sum())
             seq = torch.tensor(prompts[b] + response[b, :n].tolist())[None]
             logits = model(seq).logits[0, len(prompts[b]) - 1:-1] / 0.7

@@ -94,52 +94,102 @@ def row_cost(width: int, hidden_size: int) -> float:
 
 def layout(seqs: list[list[int]], loss_masks: list[list[bool]], pad_id: int, packing: bool,
            packing_length: int | None = None, block_mask: bool = True,
-           dtype: torch.dtype = torch.float32, hidden_size: int | None = None) -> TokenBatch:
+           dtype: torch.dtype = torch.float32, hidden_size: int | None = None,
+           shared_prefix: list[int] | None = None) -> TokenBatch:
     """Build a TokenBatch. `packing=False`: one sequence per row, right-padded to the longest.
     `packing=True`: sequences packed into rows of at most `packing_length` tokens (default: the longest sequence),
     balanced (pack_balanced: no more rows than best-fit gives, padded to a width no larger than it must be);
     `block_mask=False` leaves attention_mask None for the flash-attention varlen path.
     With the block mask, attention runs over whole packed rows; given the model's `hidden_size`, sequences of
-    near-equal length (little padding to save) are padded instead when that costs less (see row_cost)."""
+    near-equal length (little padding to save) are padded instead when that costs less (see row_cost).
+
+    `shared_prefix[i]` (with packing and the block mask): sequence i may share its first `shared_prefix[i]` tokens
+    with the other sequences that start with the same tokens (a GRPO group's prompt). Such a group is laid out as one
+    prefix segment followed by each sequence's remaining tokens, which attend to the prefix and to themselves, their
+    positions continuing after it: the prefix goes through the model once instead of once per sequence, with the
+    same result. A group is split into as many such units as a row needs; the shared layout is used when it costs
+    less than the plain one (row_cost, or total width without `hidden_size`). Prefix tokens are never scored, so the
+    shared length must end before the first scored token's predecessor (a prompt's length minus one)."""
     lengths = [len(s) for s in seqs]
+    n = len(seqs)
+    units = [(0, [i]) for i in range(n)]  # (shared prefix length, its sequences); 0: one whole sequence
+    rows = [[u] for u in range(n)]  # unit indices per row
+    width = max(lengths)
     if packing:
         row_len = max(packing_length or 0, max(lengths))
-        rows = pack_balanced(lengths, row_len)
-        width = max(sum(lengths[i] for i in r) for r in rows)
-        if block_mask and hidden_size and (len(seqs) * row_cost(max(lengths), hidden_size)
-                                           <= len(rows) * row_cost(width, hidden_size)):
-            packing = False
-    if not packing:
-        rows = [[i] for i in range(len(seqs))]
-        width = max(lengths)
+        cost = lambda r, w: r * (row_cost(w, hidden_size) if hidden_size else w)  # noqa: E731
+        best = cost(n, width) if block_mask and hidden_size else float("inf")  # padded
+        plans = [units]
+        if shared_prefix and block_mask:  # never share a token that is scored or predicts one
+            first = [next((t for t, m in enumerate(mask) if m), len(mask)) for mask in loss_masks]
+            plans.append(share_units(seqs, [min(s, f - 1) for s, f in zip(shared_prefix, first)], row_len))
+        for plan in plans:
+            sizes = [p + sum(lengths[i] - p for i in members) for p, members in plan]
+            plan_rows = pack_balanced(sizes, row_len)
+            plan_width = max(sum(sizes[u] for u in r) for r in plan_rows)
+            if cost(len(plan_rows), plan_width) < best:
+                best, units, rows, width = cost(len(plan_rows), plan_width), plan, plan_rows, plan_width
+        packing = len(rows) < n or any(p for p, _ in units) or not (block_mask and hidden_size)
     R = len(rows)
     input_ids = torch.full((R, width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((R, width), dtype=torch.long)
     seq_ids = torch.full((R, width), -1, dtype=torch.long)
     loss_mask = torch.zeros((R, width), dtype=torch.bool)
-    for r, members in enumerate(rows):
-        pos = 0
-        for i in members:
-            n = lengths[i]
-            input_ids[r, pos:pos + n] = torch.tensor(seqs[i])
-            position_ids[r, pos:pos + n] = torch.arange(n)
-            seq_ids[r, pos:pos + n] = i
-            loss_mask[r, pos:pos + n] = torch.tensor(loss_masks[i], dtype=torch.bool)
-            pos += n
+    parent = torch.full((n + len(units),), -1, dtype=torch.long)  # a sequence's prefix segment (id n + unit)
+    for r, row in enumerate(rows):
+        at = 0
+        for u in row:
+            p, members = units[u]
+            pieces = [(n + u, seqs[members[0]][:p], [False] * p, 0)] if p else []
+            pieces += [(i, seqs[i][p:], loss_masks[i][p:], p) for i in members]
+            for sid, ids, mask, start in pieces:
+                k = len(ids)
+                input_ids[r, at:at + k] = torch.tensor(ids)
+                position_ids[r, at:at + k] = torch.arange(start, start + k)
+                seq_ids[r, at:at + k] = sid
+                loss_mask[r, at:at + k] = torch.tensor(mask, dtype=torch.bool)
+                parent[sid] = n + u if p and sid < n else -1
+                at += k
     if not packing:
         attention_mask = (seq_ids >= 0).long()
     elif block_mask:
-        attention_mask = block_causal_mask(seq_ids, dtype)
+        attention_mask = block_causal_mask(seq_ids, dtype, parent if any(p for p, _ in units) else None)
     else:
         attention_mask = None
-    return TokenBatch(input_ids, position_ids, seq_ids, loss_mask, attention_mask, len(seqs))
+    return TokenBatch(input_ids, position_ids, seq_ids, loss_mask, attention_mask, n)
 
 
-def block_causal_mask(seq_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def share_units(seqs: list[list[int]], shared_prefix: list[int], row_len: int) -> list[tuple[int, list[int]]]:
+    """Sequences grouped by their first shared_prefix[i] tokens, as (prefix length, members) units that fit a row
+    of `row_len` tokens with the prefix once (longest first, first fit); a unit of one member is a whole sequence
+    (prefix length 0)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(seqs):
+        groups.setdefault(tuple(s[:shared_prefix[i]]) if shared_prefix[i] > 0 else (-1, i), []).append(i)
+    units = []
+    for members in groups.values():
+        p = shared_prefix[members[0]]
+        while members:
+            take, size = [], p
+            for i in sorted(members, key=lambda i: -len(seqs[i])):
+                if size + len(seqs[i]) - p <= row_len:
+                    take.append(i)
+                    size += len(seqs[i]) - p
+            members = [i for i in members if i not in take]
+            units.append((p, sorted(take)) if len(take) > 1 else (0, take))
+    return units
+
+
+def block_causal_mask(seq_ids: torch.Tensor, dtype: torch.dtype = torch.float32,
+                      parent: torch.Tensor | None = None) -> torch.Tensor:
     """(R, L) sequence ids -> (R, 1, L, L) additive mask: 0 where query i may see key j (same sequence, j <= i),
-    the dtype's minimum elsewhere. A padding position sees only itself, so no softmax row is empty."""
+    the dtype's minimum elsewhere. A padding position sees only itself, so no softmax row is empty. `parent`
+    (segment id -> id of the shared prefix segment it continues, or -1): a sequence also sees its prefix."""
     R, L = seq_ids.shape
     same = seq_ids[:, :, None] == seq_ids[:, None, :]
+    if parent is not None:
+        up = torch.where(seq_ids >= 0, parent[seq_ids.clamp(min=0)], -2)
+        same |= (up[:, :, None] == seq_ids[:, None, :]) & (seq_ids[:, None, :] >= 0)
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     allowed = (same & causal) | torch.eye(L, dtype=torch.bool)
     mask = torch.zeros(R, 1, L, L, dtype=dtype)

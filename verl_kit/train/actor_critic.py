@@ -82,13 +82,14 @@ def pack_responses(prompt_ids: list[list[int]], response_ids: torch.Tensor, resp
                    block_mask: bool, hidden_size: int | None = None,
                    env_mask: torch.Tensor | None = None) -> tuple[TokenBatch, ResponseIndex]:
     """prompt + response of each rollout row in `rows`, packed (or padded, see packing.layout), response tokens
-    scored. `env_mask` (multi-turn episodes): tokens the environment inserted, in the sequence but not scored."""
+    scored; rows with the same prompt (a GRPO group) share one copy of it where that costs less (layout's
+    shared_prefix). `env_mask` (multi-turn episodes): tokens the environment inserted, in the sequence, not scored."""
     whole = response_mask if env_mask is None else response_mask | env_mask
     lengths = whole.sum(-1).tolist()
     seqs = [prompt_ids[i] + response_ids[i, :lengths[i]].tolist() for i in rows]
     masks = [[False] * len(prompt_ids[i]) + response_mask[i, :lengths[i]].tolist() for i in rows]
     batch = layout(seqs, masks, pad_id, packing=packing, packing_length=packing_length, block_mask=block_mask,
-                   hidden_size=hidden_size)
+                   hidden_size=hidden_size, shared_prefix=[len(prompt_ids[i]) - 1 for i in rows])
     scored = batch.scored
     local = batch.seq_ids[:, 1:][scored]
     prompt_len = torch.tensor([len(prompt_ids[i]) for i in rows])
