@@ -31,6 +31,8 @@ The same on both sides otherwise: 8 embedded-task prompts x 4 episodes per step,
 (sampled plus tool results, TRL's meaning), HF generate (TRL without vLLM), temperature 1, beta 0.04 (a frozen
 reference), one optimizer step per rollout of one micro-batch, the environment's reward only, fp32, one process,
 one compute thread. Step time and ratio (TRL / ours): harness.compare_workloads, as in bench/grpo_vs_trl.py.
+Our side's layout knob: `--packing_length 1280`, so that a group's prompt and its 4 episodes fit one packed row and
+the prompt goes through the model once (docs/recipes.md); TRL pads each episode with its own copy of the prompt.
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ def main(argv=None):
     out = h.RESULTS / "episodes_vs_trl"
     flags = ["--prompts_per_step", str(PROMPTS), "--num_generations", str(GENERATIONS), "--beta", "0.04",
              "--environment_factory", f"{Path(__file__).resolve()}:Explore", "--max_tool_calling_iterations",
-             str(ROUNDS), "--reward_fn", "none", "--max_prompt_length", "320", "--max_length", "640"]
+             str(ROUNDS), "--reward_fn", "none", "--max_prompt_length", "320", "--max_length", "640",
+             "--packing_length", "1280"]  # a group's 4 episodes (<= 4 x 257) after its ~130-token prompt, in one row
     results, lines = {"args": vars(args)}, []
     from verl_kit.models import TINY_PREFS
 

@@ -214,7 +214,11 @@ def test_packed_response_logprobs_match_plain_forward(tiny_model_path):
     with torch.no_grad():
         batch, ix = pack_responses(prompts, response, mask, [2, 0, 3, 1], 0, True, 64, True)
         assert batch.num_tokens == 3 + 3 + 2 + 2 + 4 + 4 + 2 + 1  # row 3 continues row 2's first 3 prompt tokens
+        heads = []  # the LM head runs on the 11 positions that predict response tokens only
+        hook = model.lm_head.register_forward_hook(lambda _, args, out: heads.append(tuple(out.shape[:-1])))
         out[ix.row, ix.pos] = logprobs_from_logits(actor_logits(model, batch, ix, 0.7), ix.targets)
+        hook.remove()
+        assert heads == [(1, 11)] == [(1, len(ix.targets))]
         for b in range(4):
             n = int(mask[b].sum())
             seq = torch.tensor(prompts[b] + response[b, :n].tolist())[None]

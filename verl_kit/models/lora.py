@@ -134,6 +134,9 @@ class _WithoutAdapter(nn.Module):
         with peft_model(self.model).disable_adapter():
             return self.model(*args, **kwargs)
 
+    def get_output_embeddings(self) -> nn.Module:
+        return peft_model(self.model).get_output_embeddings()
+
 
 def reference(model: nn.Module) -> nn.Module:
     """The reference model of a LoRA policy (placed: the DeepSpeed/DDP engine or module): the same weights with the

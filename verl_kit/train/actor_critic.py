@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from verl_kit.config import TrainConfig
@@ -99,10 +100,18 @@ def pack_responses(prompt_ids: list[list[int]], response_ids: torch.Tensor, resp
 
 def actor_logits(model, batch: TokenBatch, index: ResponseIndex, temperature: float) -> torch.Tensor:
     """Logits (M, V) of the response tokens, divided by the sampling temperature so that log-probs are those of
-    the distribution the tokens were sampled from."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                   use_cache=False).logits
-    return logits[:, :-1][index.scored].float() / temperature
+    the distribution the tokens were sampled from. The LM head runs on the M positions that predict a response
+    token only, not on prompt, environment or padding positions (a hook on the output layer selects them first;
+    the full (R, L, V) logits are what a 49k vocabulary makes the largest tensor of a step)."""
+    head = extract_model_from_parallel(model).get_output_embeddings()
+    scored = index.scored.to(batch.input_ids.device)
+    hook = head.register_forward_pre_hook(lambda _, args: (args[0][:, :-1][scored][None], *args[1:]))
+    try:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids, use_cache=False).logits
+    finally:
+        hook.remove()
+    return logits[0].float() / temperature
 
 
 def critic_values(critic, batch: TokenBatch, index: ResponseIndex) -> torch.Tensor:
