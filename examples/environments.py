@@ -43,7 +43,7 @@ class KindFeedback:
         return len(KIND & set(re.findall(r"[a-z]+", text.lower())))
 
     def get_reward(self) -> float:
-        return min(self._kind_words(self.last), 4) / 4 - 0.1 * (self.tries - 1)
+        return min(self._kind_words(self.last), 4) / 4 - 0.1 * max(self.tries - 1, 0)  # tries 0: cut before a reply
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,

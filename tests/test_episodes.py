@@ -139,6 +139,53 @@ def test_reset_raising_and_long_prompt_are_one_line(tokenizer):
         eps.run([ROW], [3], SamplingParams())
 
 
+class Strict:
+    """An environment whose reset takes exactly the row's columns: the `environment` column must not reach it."""
+
+    def reset(self, prompt, answer):
+        self.answer = answer
+
+    def get_reward(self) -> float:
+        return 2.0
+
+
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=[pytest.mark.slow, pytest.mark.real_model])])
+def test_multi_environment_rows_choose_their_environment(model, request):
+    """TRL's dict of factories, as the flag name=spec,...: each row's `environment` column picks its environment,
+    whose tools alone its prompt shows (the calculator's on row 1, none on the feedback row 2), `environment` is not
+    passed to reset, and each episode gets its own environment's reward (get_reward: 1 for 560868; KindFeedback
+    after two follow-ups: 1/4 - 0.2; Strict: 2). An unknown or missing name, and a half-named flag, are one line.
+    On the tiny and the real model's template (SmolLM2: no tool support, the tools in the system message)."""
+    from types import SimpleNamespace
+
+    from verl_kit.models.loading import load_tokenizer
+    from verl_kit.rollout.episodes import make_episodes
+
+    tok = request.getfixturevalue("tokenizer") if model == "tiny" else load_tokenizer(request.getfixturevalue(
+        "smollm2_path"))
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "924 * 607"}}</tool_call>'
+    cfg = SimpleNamespace(environment_factory="calc=examples/environments.py:Calculator, "
+                                              "kind=examples/environments.py:KindFeedback", tools=None,
+                          max_tool_calling_iterations=None, tool_timeout_s=5.0, max_prompt_length=1024,
+                          max_completion_length=400)
+    eps = make_episodes(cfg, Scripted(tok, [call, "560868", "lovely"]), tok, model)
+    eps.env_factories["strict"] = Strict
+    q = [{"role": "user", "content": "What is 924 * 607?"}]
+    rows = [{"prompt": q, "answer": "560868", "environment": e} for e in ("calc", "kind", "strict")]
+    ro = eps.run(rows, [1, 2, 3], SamplingParams())
+    prompts = [tok.decode(p) for p in ro.prompt_ids]
+    assert '"name": "calculate"' in prompts[0] and "calculate" not in prompts[1] + prompts[2]
+    assert [e["turns"] for e in ro.episodes] == [2, 3, 1] and [e["tool_calls"] for e in ro.episodes] == [1, 0, 0]
+    assert ro.episodes[0]["messages"][-2]["content"] == "<tool_response>\n560868\n</tool_response>"
+    assert ro.env_reward.tolist() == pytest.approx([1.0, 0.25 - 0.2, 2.0])
+    for bad, shown in (({**rows[0], "environment": "chess"}, "'chess'"), (dict(ROW), "None")):
+        with pytest.raises(UserError, match=rf"^dataset row 4: field 'environment' is {shown}, not one of "
+                                            r"\['calc', 'kind', 'strict'\] \(--environment_factory\)$"):
+            eps.run([bad], [4], SamplingParams())
+    with pytest.raises(UserError, match=r"^--environment_factory .*: name every environment once"):
+        make_episodes(SimpleNamespace(**{**vars(cfg), "environment_factory": "a=x.py:A,x.py:B"}), None, tok, model)
+
+
 class Again:
     """Answers every assistant turn twice, then ends the episode."""
 

@@ -185,7 +185,8 @@ class OnlineConfig(TrainConfig, RolloutConfig):
     environment_factory: str | None = field(default=None, metadata={
         "help": "multi-turn episodes (docs/environments.md): module:Class or path/to/file.py:Class, one instance per "
                 "episode with TRL's API: reset(**row), public methods as tools, optional get_reward() and "
-                "respond(text)"})
+                "respond(text); or name=module:Class,name2=module:Class2 (TRL's dict form): each dataset row's "
+                "'environment' column picks one, its prompt showing that environment's tools"})
     tools: str | None = field(default=None, metadata={
         "help": "comma-separated tool functions, module:function or path/to/file.py:function (TRL's `tools`)"})
     max_tool_calling_iterations: int | None = field(default=None, metadata={

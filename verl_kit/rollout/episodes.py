@@ -2,7 +2,9 @@
 trained on are exactly the tokens the engine sampled plus those the environment inserted.
 
 An episode starts from a dataset row: one environment instance (`--environment_factory`), `reset(**row)` (its string
-appended to the last user message, as TRL), the prompt rendered with the tool schemas. Each turn the backend
+appended to the last user message, as TRL), the prompt rendered with the tool schemas. With several environments
+(TRL's dict form, `--environment_factory name=spec,...`) each row's `environment` column picks one, and its prompt
+shows that environment's tools only. Each turn the backend
 generates from the episode's token ids so far (never re-rendered text), through the RolloutBackend protocol, so HF
 generate, a colocated vLLM engine and a vLLM server all run the same loop. A turn that ends in EOS is read for tool
 calls (rollout.tools); their results, or the environment's `respond(text)` reply, enter as the tokens the chat
@@ -67,20 +69,25 @@ def _call(fn, *args):
 
 class Episodes:
     """Runs episodes on `engine` (a RolloutBackend). `env_factory`: a class or callable making one environment per
-    episode, or None; `tools`: plain tool functions; `model_name`: for the one-line errors."""
+    episode, a dict of them by name (each row's `environment` column picks one, TRL's multi-environment form), or
+    None; `tools`: plain tool functions, offered in every episode; `model_name`: for the one-line errors."""
 
     def __init__(self, engine: RolloutBackend, tokenizer, model_name: str, env_factory=None, tools=(),
                  max_tool_calling_iterations: int | None = None, tool_timeout_s: float | None = None,
                  max_prompt_length: int = 512, max_completion_length: int = 64):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.env_factory, self.tools = env_factory, {t.__name__: t for t in tools}
+        self.multi_env = isinstance(env_factory, dict)
+        self.env_factories = env_factory if self.multi_env else {None: env_factory} if env_factory else {}
+        self.tools = {t.__name__: t for t in tools}
         self.max_iterations, self.tool_timeout_s = max_tool_calling_iterations, tool_timeout_s
         self.max_prompt_length, self.max_completion_length = max_prompt_length, max_completion_length
         self.native_tools = supports_tools(tokenizer)
-        probe = env_factory() if env_factory is not None else None
-        self.has_tools = bool(self.tools) or (probe is not None and bool(environment_tools(probe)))
-        if probe is not None and not callable(getattr(probe, "reset", None)):
-            raise UserError(f"--environment_factory {type(probe).__name__}: an environment must define reset(**row)")
+        probes = [factory() for factory in self.env_factories.values()]
+        self.has_tools = bool(self.tools) or any(environment_tools(probe) for probe in probes)
+        for probe in probes:
+            if not callable(getattr(probe, "reset", None)):
+                raise UserError(f"--environment_factory {type(probe).__name__}: an environment must define "
+                                "reset(**row)")
         check_prefix_property(tokenizer, model_name, self.has_tools and self.native_tools)
 
     # ---- rendering --------------------------------------------------------------------------------------------
@@ -124,13 +131,24 @@ class Episodes:
         return full[len(prefix):]
 
     # ---- episodes ---------------------------------------------------------------------------------------------
+    def _environment(self, row: dict, row_no: int, source: str) -> tuple[object | None, dict]:
+        """A new environment for `row` (None without one) and the row as its reset gets it: in the multi-environment
+        form the `environment` column names it and is not passed on (TRL's behaviour)."""
+        if not self.multi_env:
+            return (self.env_factories[None]() if self.env_factories else None), row
+        name = row.get("environment")
+        if name not in self.env_factories:
+            raise UserError(f"{source} row {row_no}: field 'environment' is {name!r}, not one of "
+                            f"{sorted(self.env_factories)} (--environment_factory)")
+        return self.env_factories[name](), {k: v for k, v in row.items() if k != "environment"}
+
     def start(self, row: dict, row_no: int, source: str) -> _Episode:
-        env = self.env_factory() if self.env_factory is not None else None
+        env, reset_row = self._environment(row, row_no, source)
         prompt = row.get("prompt")
         messages = copy.deepcopy(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         if env is not None:
             try:
-                observation = _call(lambda: env.reset(**row))
+                observation = _call(lambda: env.reset(**reset_row))
             except Exception as e:  # noqa: BLE001 - the user's environment: one line naming it and the row
                 raise UserError(f"{type(env).__name__}.reset failed on {source} row {row_no}: "
                                 f"{type(e).__name__}: {e}") from None
@@ -272,7 +290,17 @@ def make_episodes(cfg, engine: RolloutBackend, tokenizer, model_name: str) -> Ep
     --tool_timeout_s), or None when neither an environment nor tools are given (single-turn rollouts)."""
     if not cfg.environment_factory and not cfg.tools:
         return None
-    factory = load_object("environment_factory", cfg.environment_factory) if cfg.environment_factory else None
+    factory = None
+    if cfg.environment_factory:  # module:Class, or name=module:Class,... (TRL's dict of factories)
+        specs = [s.strip() for s in cfg.environment_factory.split(",") if s.strip()]
+        if any("=" in s for s in specs):
+            names = [s.split("=", 1)[0].strip() if "=" in s else "" for s in specs]
+            if not all(names) or len(set(names)) < len(names):
+                raise UserError(f"--environment_factory {cfg.environment_factory!r}: name every environment once "
+                                "(name=module:Class,...) or give one module:Class")
+            factory = {n: load_object("environment_factory", s.split("=", 1)[1].strip()) for n, s in zip(names, specs)}
+        else:
+            factory = load_object("environment_factory", cfg.environment_factory)
     tools = [load_object("tools", s) for s in (cfg.tools or "").split(",") if s.strip()]
     return Episodes(engine, tokenizer, model_name, factory, tools, cfg.max_tool_calling_iterations,
                     cfg.tool_timeout_s, cfg.max_prompt_length, cfg.max_completion_length)
