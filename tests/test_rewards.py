@@ -164,6 +164,38 @@ def test_reward_file_reads_the_answer_column_beside_a_two_argument_fn(tmp_path):
                                torch.tensor([1.0, 0.0, 0.0, 1.0]))
 
 
+def test_each_reward_source_is_logged(tmp_path, tokenizer):
+    """The same two functions scoring a Rollout (decoded with the policy's tokenizer) with an environment reward:
+    the step's score is the weighted sum plus get_reward(), and each source's own scores reach the metrics as TRL's
+    rewards/<function name>/mean and /std (the environment's as rewards/environment/*), kept row for row through
+    dynamic sampling's concat and select."""
+    from verl_kit.rollout import Rollout
+    from verl_kit.rollout.prompts import rollout_metrics
+    from verl_kit.rollout.types import concat_rollouts, select_rows
+
+    f = tmp_path / "my_reward.py"
+    f.write_text(USER_REWARD)
+    rewards = Rewards(f"{f}:reward,verl_kit.rewards:kind_words", None, "1,0.5", missing_eos_penalty=-1.0,
+                      tokenizer=tokenizer)
+    rows = [{"prompt": "1+1?", "answer": 2}] * 2 + [{"prompt": "2+3?", "answer": 5}] * 2
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in ("kind 2", "3", "it is 5", "lovely 4")]
+    R = max(map(len, ids))
+    response = torch.tensor([x + [tokenizer.pad_token_id] * (R - len(x)) for x in ids])
+    mask = torch.tensor([[j < len(x) for j in range(R)] for x in ids])
+    ro = Rollout([[1, 2]] * 4, response, mask, torch.zeros(response.shape), torch.tensor([False, False, False, True]),
+                 env_reward=torch.tensor([0.0, 1.0, 0.0, 2.0]))
+    scores = rewards.of_rollout(rows, ro)
+    torch.testing.assert_close(scores, torch.tensor([1 + 0.5, 0 + 1.0, 1.0, 0.5 - 1.0 + 2.0]))
+    m = rollout_metrics(ro, scores, 1.0)
+    assert m["reward/mean"] == pytest.approx(1.25)
+    assert (m["rewards/reward/mean"], m["rewards/reward/std"]) == pytest.approx((0.5, 0.5))  # 1, 0, 1, 0
+    assert (m["rewards/kind_words/mean"], m["rewards/kind_words/std"]) == pytest.approx((0.5, 0.5))  # unweighted
+    assert (m["rewards/environment/mean"], m["rewards/environment/std"]) == pytest.approx((0.75, 0.8291562))
+    kept = select_rows(concat_rollouts([ro, ro]), [7, 0])
+    assert {k: v.tolist() for k, v in kept.reward_sources.items()} == {"reward": [0.0, 1.0], "kind_words": [1.0, 1.0],
+                                                                       "environment": [2.0, 0.0]}
+
+
 def test_calling_conventions_follow_the_signature():
     """TRL style (names `completions`): all by keyword, prompts only if named or **kwargs; positional otherwise, with
     the columns it names (or all for **kwargs); completion_ids offered alike."""

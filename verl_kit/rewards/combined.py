@@ -3,6 +3,8 @@ own tokenizer and chat template), weighted and summed, with the missing-EOS pena
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -30,6 +32,9 @@ class Rewards:
                  missing_eos_penalty: float = 0.0, tokenizer=None, limits: CallLimits | None = None,
                  env_reward: bool = False):
         self.fns = [(s, load_reward_fn(s)) for s in (specs or "").split(",") if s.strip() not in ("", "none")]
+        names = [getattr(fn, "__name__", s) for s, fn in self.fns]  # TRL's rewards/<name>/* metric names
+        names += [os.path.basename(reward_model.name.rstrip("/"))] if reward_model else []
+        self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
         self.limits = limits or CallLimits()
         self.reward_model, self.missing_eos_penalty = reward_model, missing_eos_penalty
         self.tokenizer = tokenizer  # the policy's: of_rollout decodes responses with it
@@ -46,10 +51,20 @@ class Rewards:
                  columns: dict[str, list] | None = None, *, completion_ids: list | None = None) -> torch.Tensor:
         """Scores (B,). `columns`: the dataset's other columns, name -> one value per response (see reward_columns),
         passed to the reward functions that take them; `completion_ids`: each response's token ids, likewise."""
-        sources = [call_reward_fn(name, fn, prompts, completions, columns, completion_ids, self.limits)
-                   for name, fn in self.fns]
-        sources += [self.reward_model.score(prompts, completions)] if self.reward_model else []
-        total = weighted_sum(sources, self.weights) if sources else torch.zeros(len(completions))
+        return self.total(self.sources(prompts, completions, columns, completion_ids=completion_ids), truncated)
+
+    def sources(self, prompts: list, completions: list[str], columns: dict[str, list] | None = None, *,
+                completion_ids: list | None = None) -> dict[str, torch.Tensor]:
+        """Each source's own scores (B,), unweighted, by name (`names`: the reward function's __name__, the reward
+        model's directory name), in --reward_weights order."""
+        scores = [call_reward_fn(spec, fn, prompts, completions, columns, completion_ids, self.limits)
+                  for spec, fn in self.fns]
+        scores += [self.reward_model.score(prompts, completions)] if self.reward_model else []
+        return dict(zip(self.names, scores))
+
+    def total(self, sources: dict[str, torch.Tensor], truncated: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of `sources` (B,), with the missing-EOS penalty on the `truncated` responses."""
+        total = weighted_sum(list(sources.values()), self.weights) if sources else torch.zeros(len(truncated))
         return truncation_penalty(total, truncated, self.missing_eos_penalty)
 
     def metrics(self) -> dict[str, float]:
@@ -61,13 +76,18 @@ class Rewards:
         """Scores (B,) of a rollout.Rollout's responses, decoded with the policy's tokenizer (special tokens
         dropped; `tokenizer`, set by make_rewards). `rows`: the dataset row of each response (its `prompt` field,
         and the other columns the reward functions may read). The reward functions may also take `completion_ids`
-        (the responses' token ids)."""
+        (the responses' token ids). Sets `rollout.reward_sources` (each source's own scores, the environment's
+        get_reward() as `environment`) for the rewards/<name>/* metrics."""
         ids = [r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)]
         completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        scores = self([r["prompt"] for r in rows], completions, rollout.truncated, reward_columns(rows),
-                      completion_ids=[x.tolist() for x in ids])
-        # multi-turn: the environment's get_reward() is one more source, weight 1 (TRL's environment reward)
-        return scores if rollout.env_reward is None else scores + rollout.env_reward
+        sources = self.sources([r["prompt"] for r in rows], completions, reward_columns(rows),
+                               completion_ids=[x.tolist() for x in ids])
+        scores = self.total(sources, rollout.truncated)
+        if rollout.env_reward is not None:  # multi-turn: get_reward() is one more source, weight 1 (TRL's)
+            sources["environment"] = rollout.env_reward
+            scores = scores + rollout.env_reward
+        rollout.reward_sources = sources
+        return scores
 
 
 class RewardModel:
@@ -77,6 +97,7 @@ class RewardModel:
 
     def __init__(self, model, tokenizer, device, max_length: int = 1024, batch_size: int = 16):
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.name = getattr(getattr(model, "module", model).config, "_name_or_path", "") or "reward_model"
         self.max_length, self.batch_size = max_length, batch_size
 
     def texts(self, prompts: list, completions: list[str]) -> list[str]:

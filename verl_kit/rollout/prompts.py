@@ -39,13 +39,19 @@ def rollout_metrics(ro: Rollout, scores: torch.Tensor, step_seconds: float) -> d
     """reward/*, response_length/* and perf/tokens_per_s of a step's rollouts on all processes (collective); for
     multi-turn episodes also TRL's tools/call_frequency (tool calls per episode) and tools/failure_frequency (failed
     calls per call), episode/turns (assistant turns per episode) and episode/env_token_share (the response tokens the
-    environment inserted). response_length counts the sampled tokens."""
+    environment inserted). response_length counts the sampled tokens. Each reward source's own scores
+    (`ro.reward_sources`) as TRL's rewards/<name>/mean and rewards/<name>/std."""
     lengths = ro.response_mask.sum(-1)
-    t = reduce_metrics({"n": len(scores), "score": scores.sum(), "score_sq": (scores ** 2).sum(),
+    sources = {**{"score": scores}, **{f"rewards/{k}": v for k, v in (ro.reward_sources or {}).items()}}
+    t = reduce_metrics({"n": len(scores), **{k: v.sum() for k, v in sources.items()},
+                        **{f"{k}_sq": (v.double() ** 2).sum() for k, v in sources.items()},
                         "tokens": lengths.sum(), "truncated": ro.truncated.sum(),
                         "prompt_tokens": sum(len(p) for p in ro.prompt_ids)}, {"max_length": lengths.max()})
-    n, mean = t["n"], t["score"] / t["n"]
-    return {"reward/mean": mean, "reward/std": max(t["score_sq"] / n - mean ** 2, 0.0) ** 0.5,
+    n = t["n"]
+    mean = {k: t[k] / n for k in sources}
+    std = {k: max(t[f"{k}_sq"] / n - mean[k] ** 2, 0.0) ** 0.5 for k in sources}
+    return {"reward/mean": mean["score"], "reward/std": std["score"],
+            **{f"{k}/{stat}": v[k] for k in sources if k != "score" for stat, v in (("mean", mean), ("std", std))},
             "response_length/mean": t["tokens"] / n, "response_length/max": t["max_length"],
             "response_length/clip_ratio": t["truncated"] / n,
             "perf/tokens_per_s": (t["tokens"] + t["prompt_tokens"]) / step_seconds, **episode_metrics(ro)}
@@ -110,7 +116,9 @@ def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score,
             scores = score(rows_of, ro).view(len(idx), params.n)
             real = torch.tensor([rank + world * (i + k) < n for k in range(len(idx))])  # not shard()'s wrap-around
             tally.add(responses=float(real.sum()) * params.n, score=scores[real],
-                      tokens=ro.response_mask.view(len(idx), params.n, -1)[real])
+                      tokens=ro.response_mask.view(len(idx), params.n, -1)[real],
+                      **{f"extra/rewards/{k}/mean": v.view(len(idx), params.n)[real]
+                         for k, v in (ro.reward_sources or {}).items()})
             if ro.episodes is not None:  # multi-turn: tool calls (and failed ones) per episode
                 calls = torch.tensor([[e["tool_calls"], e["tool_failures"]] for e in ro.episodes], dtype=torch.float64)
                 calls = calls.view(len(idx), params.n, 2)[real]

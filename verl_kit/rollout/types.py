@@ -46,6 +46,8 @@ class Rollout:
                                                   sampling log-probs) covers only what the model sampled
     env_reward         (B,) float32               each environment's get_reward() (0 without one)
     episodes           list of B dicts            turns, tool_calls, tool_failures and the messages of each episode
+    Set once scored (rewards.Rewards.of_rollout), else None:
+    reward_sources     {name: (B,) float32}       each reward source's own scores, unweighted (rewards/<name>/*)
     """
 
     prompt_ids: list[list[int]]
@@ -57,6 +59,7 @@ class Rollout:
     env_mask: torch.Tensor | None = None
     env_reward: torch.Tensor | None = None
     episodes: list[dict] | None = None
+    reward_sources: dict[str, torch.Tensor] | None = None
 
     @property
     def sequence_mask(self) -> torch.Tensor:
@@ -107,7 +110,10 @@ def concat_rollouts(batches: list[Rollout]) -> Rollout:
                    cat("sampling_logprobs"), torch.cat([b.truncated for b in batches]), index,
                    env_mask=cat("env_mask", False) if episodes else None,
                    env_reward=torch.cat([b.env_reward for b in batches]) if episodes else None,
-                   episodes=[e for b in batches for e in b.episodes] if episodes else None)
+                   episodes=[e for b in batches for e in b.episodes] if episodes else None,
+                   reward_sources={k: torch.cat([b.reward_sources[k] for b in batches])
+                                   for k in batches[0].reward_sources}
+                   if all(b.reward_sources is not None for b in batches) else None)
 
 
 def select_rows(ro: Rollout, rows: list[int]) -> Rollout:
@@ -118,4 +124,6 @@ def select_rows(ro: Rollout, rows: list[int]) -> Rollout:
                    None if ro.prompt_index is None else [ro.prompt_index[i] for i in rows],
                    env_mask=None if ro.env_mask is None else ro.env_mask[ix],
                    env_reward=None if ro.env_reward is None else ro.env_reward[ix],
-                   episodes=None if ro.episodes is None else [ro.episodes[i] for i in rows])
+                   episodes=None if ro.episodes is None else [ro.episodes[i] for i in rows],
+                   reward_sources=None if ro.reward_sources is None
+                   else {k: v[ix] for k, v in ro.reward_sources.items()})
