@@ -4,9 +4,9 @@ trained on are exactly the tokens the engine sampled plus those the environment 
 An episode starts from a dataset row: one environment instance (`--environment_factory`), `reset(**row)` (its string
 appended to the last user message, as TRL), the prompt rendered with the tool schemas. With several environments
 (TRL's dict form, `--environment_factory name=spec,...`) each row's `environment` column picks one, and its prompt
-shows that environment's tools only. Each turn the backend
-generates from the episode's token ids so far (never re-rendered text), through the RolloutBackend protocol, so HF
-generate, a colocated vLLM engine and a vLLM server all run the same loop. A turn that ends in EOS is read for tool
+shows that environment's tools only. Each turn the backend generates from the episode's token ids so far (never
+re-rendered text), through the RolloutBackend protocol, so HF generate, a colocated vLLM engine and a vLLM server all
+run the same loop. A turn that ends in EOS is read for tool
 calls (rollout.tools); their results, or the environment's `respond(text)` reply, enter as the tokens the chat
 template adds for those messages: rendered after a dummy user/assistant exchange, minus that exchange up to its
 EOS (TRL's `_get_tool_suffix_ids`). That is exact only for a template that extends a conversation by appending (the

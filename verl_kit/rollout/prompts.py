@@ -42,7 +42,7 @@ def rollout_metrics(ro: Rollout, scores: torch.Tensor, step_seconds: float) -> d
     environment inserted). response_length counts the sampled tokens. Each reward source's own scores
     (`ro.reward_sources`) as TRL's rewards/<name>/mean and rewards/<name>/std."""
     lengths = ro.response_mask.sum(-1)
-    sources = {**{"score": scores}, **{f"rewards/{k}": v for k, v in (ro.reward_sources or {}).items()}}
+    sources = {"score": scores, **{f"rewards/{k}": v for k, v in (ro.reward_sources or {}).items()}}
     t = reduce_metrics({"n": len(scores), **{k: v.sum() for k, v in sources.items()},
                         **{f"{k}_sq": (v.double() ** 2).sum() for k, v in sources.items()},
                         "tokens": lengths.sum(), "truncated": ro.truncated.sum(),
