@@ -232,7 +232,7 @@ def main():
         tally.add(flat_groups=scores.view(-1, cfg.num_generations).std(-1) == 0, groups=B / cfg.num_generations)
         t = tally.reduce()
         timer.seconds["timing_s/step"] = time.time() - t_step
-        metrics = {**rollout_metrics(ro, scores, timer.seconds["timing_s/step"]),
+        metrics = {**rollout_metrics(ro, scores, timer.seconds["timing_s/step"], rollouts.environments),
                    "reward/frac_zero_std": t["flat_groups"] / t["groups"],
                    "kl": t["kl"] / t["tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},

@@ -215,7 +215,7 @@ def main():
                    "critic/vf_loss": t["vf_loss"] / t["tokens"], "critic/vf_clipfrac": t["vf_clipfrac"] / t["tokens"],
                    "critic/explained_var": 1.0 - masked_variance(t, "resid_") / max(masked_variance(t, "ret_"), 1e-8),
                    "critic/grad_norm": sum(grad_norms["critic"]) / len(grad_norms["critic"]),
-                   **rollout_metrics(ro, scores, timer.seconds["timing_s/step"]),
+                   **rollout_metrics(ro, scores, timer.seconds["timing_s/step"], rollouts.environments),
                    "rollout/staleness": staleness, **step_metrics(t), **reward.metrics(),
                    "learning_rate": actor.learning_rate, **timer.seconds, **sync_metrics}
         log.advance(reward=metrics["reward/mean"])

@@ -90,7 +90,7 @@ def test_tool_calls_failures_and_timeout_are_counted(tokenizer):
     assert "\n5\n" in results[0] and "not JSON" in results[1] and "Tool nope not found" in results[2]
     assert "kaput" in results[3] and "timed out after 0.3 s" in results[4]
     assert "<tools>" in tokenizer.decode(ro.prompt_ids[0]) and '"name": "add"' in tokenizer.decode(ro.prompt_ids[0])
-    m = episode_metrics(ro)
+    m = episode_metrics(ro, ro.env_reward)
     assert m["tools/call_frequency"] == 5 and m["tools/failure_frequency"] == 0.8 and m["episode/turns"] == 2
     # the second call continued from the prompt + turn 1's tokens + the tool results' tokens, as ids
     n1, k = len(tokenizer(turn1, add_special_tokens=False)["input_ids"]) + 1, len(engine.prompts[1][0])
@@ -154,12 +154,14 @@ def test_multi_environment_rows_choose_their_environment(model, request):
     """TRL's dict of factories, as the flag name=spec,...: each row's `environment` column picks its environment,
     whose tools alone its prompt shows (the calculator's on row 1, none on the feedback row 2), `environment` is not
     passed to reset, and each episode gets its own environment's reward (get_reward: 1 for 560868; KindFeedback
-    after two follow-ups: 1/4 - 0.2; Strict: 2). An unknown or missing name, and a half-named flag, are one line.
+    after two follow-ups: 1/4 - 0.2; Strict: 2), logged per environment (env/<name>/*, eval/env/<name>/reward_mean).
+    An unknown or missing name, and a half-named flag, are one line.
     On the tiny and the real model's template (SmolLM2: no tool support, the tools in the system message)."""
     from types import SimpleNamespace
 
     from verl_kit.models.loading import load_tokenizer
     from verl_kit.rollout.episodes import make_episodes
+    from verl_kit.rollout.prompts import Prompts, episode_metrics, evaluate
 
     tok = request.getfixturevalue("tokenizer") if model == "tiny" else load_tokenizer(request.getfixturevalue(
         "smollm2_path"))
@@ -178,6 +180,23 @@ def test_multi_environment_rows_choose_their_environment(model, request):
     assert [e["turns"] for e in ro.episodes] == [2, 3, 1] and [e["tool_calls"] for e in ro.episodes] == [1, 0, 0]
     assert ro.episodes[0]["messages"][-2]["content"] == "<tool_response>\n560868\n</tool_response>"
     assert ro.env_reward.tolist() == pytest.approx([1.0, 0.25 - 0.2, 2.0])
+    # each environment's own metrics, in training (the total rewards given) and held out (the same script again)
+    third, share = 1 / 3, float(ro.env_mask.sum() / ro.sequence_mask.sum())
+    assert episode_metrics(ro, torch.tensor([1.0, 0.05, 2.0]), eps.environments) == pytest.approx({
+        "tools/call_frequency": third, "tools/failure_frequency": 0.0, "episode/turns": 2.0,
+        "episode/env_token_share": share,
+        **{f"env/{name}/{k}": v for name, values in (("calc", (1.0, 1.0, 2.0)), ("kind", (0.05, 0.0, 3.0)),
+                                                       ("strict", (2.0, 0.0, 1.0)))
+           for k, v in zip(("reward_mean", "tool_call_frequency", "turns"), values)},
+        **{f"env/{name}/{k}": v for name in ("calc", "kind", "strict")
+           for k, v in (("share", third), ("tool_failure_frequency", 0.0))}})
+    eps.engine.texts += [call, "560868", "lovely"]
+    engine = SimpleNamespace(episodes=eps, generate=lambda prompts, params, rows, row_numbers: eps.run(
+        rows, row_numbers, params))
+    held_out = evaluate(SimpleNamespace(num_processes=1, process_index=0, is_main_process=False), engine,
+                        Prompts(rows, [[0]] * 3), SamplingParams(), lambda rows, ro: ro.env_reward, 3)
+    assert {k: v for k, v in held_out.items() if k.startswith("eval/env/")} == pytest.approx({
+        "eval/env/calc/reward_mean": 1.0, "eval/env/kind/reward_mean": 0.05, "eval/env/strict/reward_mean": 2.0})
     for bad, shown in (({**rows[0], "environment": "chess"}, "'chess'"), (dict(ROW), "None")):
         with pytest.raises(UserError, match=rf"^dataset row 4: field 'environment' is {shown}, not one of "
                                             r"\['calc', 'kind', 'strict'\] \(--environment_factory\)$"):

@@ -55,6 +55,7 @@ class _Episode:
     tool_rounds: int = 0
     tool_calls: int = 0
     tool_failures: int = 0
+    environment: str | None = None  # its name in the multi-environment form
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.ids += ids
@@ -89,6 +90,11 @@ class Episodes:
                 raise UserError(f"--environment_factory {type(probe).__name__}: an environment must define "
                                 "reset(**row)")
         check_prefix_property(tokenizer, model_name, self.has_tools and self.native_tools)
+
+    @property
+    def environments(self) -> tuple[str, ...]:
+        """The environments' names in the multi-environment form (each gets its own env/<name>/* metrics), else ()."""
+        return tuple(sorted(self.env_factories)) if self.multi_env else ()
 
     # ---- rendering --------------------------------------------------------------------------------------------
     def _render(self, messages: list[dict], schemas: list[dict], **kw):
@@ -161,7 +167,7 @@ class Episodes:
         if len(ids) > self.max_prompt_length:
             raise UserError(f"{source} row {row_no}: the prompt with its tool descriptions is {len(ids)} tokens, over "
                             f"--max_prompt_length {self.max_prompt_length} (cutting it would lose the tools)")
-        return _Episode(env, tools, ids, shown)
+        return _Episode(env, tools, ids, shown, environment=row.get("environment") if self.multi_env else None)
 
     def react(self, ep: _Episode, text: str) -> list[dict] | None:
         """The environment's answer to an assistant turn: tool results, a reply, or None (the episode ends)."""
@@ -262,7 +268,8 @@ class Episodes:
             value = _call(get_reward) if callable(get_reward) else None
             rewards.append(0.0 if value is None else float(value))
         info = [{"turns": e.turns, "tool_calls": e.tool_calls, "tool_failures": e.tool_failures,
-                 "env_tokens": int(sum(not s for s in e.sampled)), "messages": e.messages} for e in eps]
+                 "env_tokens": int(sum(not s for s in e.sampled)), "messages": e.messages,
+                 "environment": e.environment} for e in eps]
         return Rollout([e.prompt for e in eps], ids, sampled, logprobs, torch.tensor([e.truncated for e in eps]),
                        env_mask=inserted, env_reward=torch.tensor(rewards, dtype=torch.float32), episodes=info)
 

@@ -35,12 +35,14 @@ def load_prompt_splits(cfg: OnlineConfig, tokenizer) -> tuple[Prompts, Prompts]:
     return splits[0], splits[1]
 
 
-def rollout_metrics(ro: Rollout, scores: torch.Tensor, step_seconds: float) -> dict:
+def rollout_metrics(ro: Rollout, scores: torch.Tensor, step_seconds: float, environments: tuple[str, ...] = ()
+                    ) -> dict:
     """reward/*, response_length/* and perf/tokens_per_s of a step's rollouts on all processes (collective); for
     multi-turn episodes also TRL's tools/call_frequency (tool calls per episode) and tools/failure_frequency (failed
     calls per call), episode/turns (assistant turns per episode) and episode/env_token_share (the response tokens the
-    environment inserted). response_length counts the sampled tokens. Each reward source's own scores
-    (`ro.reward_sources`) as TRL's rewards/<name>/mean and rewards/<name>/std."""
+    environment inserted), and per environment of the multi-environment form (`environments`, the same names on every
+    process: Rollouts.environments) env/<name>/*. response_length counts the sampled tokens. Each reward source's own
+    scores (`ro.reward_sources`) as TRL's rewards/<name>/mean and rewards/<name>/std."""
     lengths = ro.response_mask.sum(-1)
     sources = {"score": scores, **{f"rewards/{k}": v for k, v in (ro.reward_sources or {}).items()}}
     t = reduce_metrics({"n": len(scores), **{k: v.sum() for k, v in sources.items()},
@@ -54,20 +56,34 @@ def rollout_metrics(ro: Rollout, scores: torch.Tensor, step_seconds: float) -> d
             **{f"{k}/{stat}": v[k] for k in sources if k != "score" for stat, v in (("mean", mean), ("std", std))},
             "response_length/mean": t["tokens"] / n, "response_length/max": t["max_length"],
             "response_length/clip_ratio": t["truncated"] / n,
-            "perf/tokens_per_s": (t["tokens"] + t["prompt_tokens"]) / step_seconds, **episode_metrics(ro)}
+            "perf/tokens_per_s": (t["tokens"] + t["prompt_tokens"]) / step_seconds,
+            **episode_metrics(ro, scores, environments)}
 
 
-def episode_metrics(ro: Rollout) -> dict:
-    """tools/*, episode/* of a multi-turn batch over all processes (collective); {} for single-turn rollouts."""
+def episode_metrics(ro: Rollout, scores: torch.Tensor, environments: tuple[str, ...] = ()) -> dict:
+    """tools/*, episode/* of a multi-turn batch over all processes (collective), and for each of `environments`
+    env/<name>/reward_mean (the total reward of its episodes), env/<name>/share (of the episodes),
+    env/<name>/tool_call_frequency, env/<name>/tool_failure_frequency and env/<name>/turns; {} for single-turn
+    rollouts."""
     if ro.episodes is None:
         return {}
-    t = reduce_metrics({"n": len(ro.episodes), "calls": sum(e["tool_calls"] for e in ro.episodes),
-                        "failures": sum(e["tool_failures"] for e in ro.episodes),
-                        "turns": sum(e["turns"] for e in ro.episodes), "env": ro.env_mask.sum(),
-                        "all": ro.sequence_mask.sum()})
-    return {"tools/call_frequency": t["calls"] / t["n"],
-            "tools/failure_frequency": t["failures"] / t["calls"] if t["calls"] else 0.0,
-            "episode/turns": t["turns"] / t["n"], "episode/env_token_share": t["env"] / max(t["all"], 1)}
+    of = [e["environment"] for e in ro.episodes]
+    groups = {"": [True] * len(of), **{f"env/{name}/": [e == name for e in of] for name in environments}}
+    sums = {"env_tokens": ro.env_mask.sum(), "all_tokens": ro.sequence_mask.sum()}
+    for g, member in groups.items():
+        eps = [e for e, m in zip(ro.episodes, member) if m]
+        sums.update({f"{g}n": len(eps), f"{g}score": scores[torch.tensor(member, dtype=torch.bool)].sum(),
+                     **{f"{g}{k}": sum(e[k] for e in eps) for k in ("tool_calls", "tool_failures", "turns")}})
+    t = reduce_metrics(sums)
+    out = {"episode/env_token_share": t["env_tokens"] / max(t["all_tokens"], 1)}
+    for g in groups:
+        n, calls = max(t[f"{g}n"], 1), t[f"{g}tool_calls"]
+        call, failure, turns = ("tools/call_frequency", "tools/failure_frequency", "episode/turns") if not g else \
+            (f"{g}tool_call_frequency", f"{g}tool_failure_frequency", f"{g}turns")
+        out.update({call: calls / n, failure: t[f"{g}tool_failures"] / max(calls, 1), turns: t[f"{g}turns"] / n})
+        if g:
+            out.update({f"{g}reward_mean": t[f"{g}score"] / n, f"{g}share": t[f"{g}n"] / max(t["n"], 1)})
+    return out
 
 
 def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[list[int]]:
@@ -97,9 +113,11 @@ def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score,
     `params.seed`, every response gets its own seed (the seed plus its prompt's position). With `params.n` > 1
     responses per prompt, also eval/pass@k for k = 1, 2, 4, ... <= n: the mean over prompts of the unbiased pass@k
     (algos.pass_at_k), a response passing when its score is >= `pass_threshold`. Multi-turn episodes add
-    eval/tools/call_frequency and eval/tools/failure_frequency (as the training metrics). `extra(rows, rollout) ->
+    eval/tools/call_frequency and eval/tools/failure_frequency (as the training metrics), and the multi-environment
+    form eval/env/<name>/reward_mean for each environment. `extra(rows, rollout) ->
     {name: (B,)}` (optional): more per-response values, each reported as its mean over the responses, eval/<name>."""
     prompts, rows = split.ids, split.rows
+    environments = engine.episodes.environments if getattr(engine, "episodes", None) is not None else ()
     world, rank, n = accelerator.num_processes, accelerator.process_index, len(prompts)
     mine = shard(n, rank, world)
     tally = Tally()
@@ -123,6 +141,10 @@ def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score,
                 calls = torch.tensor([[e["tool_calls"], e["tool_failures"]] for e in ro.episodes], dtype=torch.float64)
                 calls = calls.view(len(idx), params.n, 2)[real]
                 tally.add(tool_calls=calls[..., 0], tool_failures=calls[..., 1])
+            for name in environments:  # the multi-environment form: each environment's own held-out reward
+                member = torch.tensor([r.get("environment") == name for r in rows_of]).view(len(idx), params.n)
+                member &= real[:, None]
+                tally.add(**{f"env/{name}/n": member, f"env/{name}/score": scores[member]})
             for name, values in (extra(rows_of, ro) if extra else {}).items():
                 tally.add(**{f"extra/{name}": values.view(len(idx), params.n)[real]})
             if params.n > 1:
@@ -134,6 +156,8 @@ def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score,
             **({"eval/tools/call_frequency": t["tool_calls"] / t["responses"],
                 "eval/tools/failure_frequency": t["tool_failures"] / max(t["tool_calls"], 1)}
                if "tool_calls" in t else {}),
+            **{f"eval/env/{name}/reward_mean": t[f"env/{name}/score"] / max(t[f"env/{name}/n"], 1)
+               for name in environments},
             **{f"eval/{k[len('extra/'):]}": v / t["responses"] for k, v in t.items() if k.startswith("extra/")}}
 
 

@@ -137,6 +137,11 @@ class Rollouts:
                               "an episode batch")
         return self._wait(self._call(self.engine.generate, prompts, params), "a generation")
 
+    @property
+    def environments(self) -> tuple[str, ...]:
+        """The environments' names of a multi-environment run (rollout_metrics' env/<name>/*), else ()."""
+        return self.episodes.environments if self.episodes is not None else ()
+
     def evaluate(self, accelerator, split: Prompts, score, batch_size: int, extra=None) -> dict:
         """Held-out evaluation (rollout.prompts.evaluate) with the run's evaluation sampling, in turn with the queued
         batches: eval/reward_mean, eval/response_length (and eval/pass@k with several responses per prompt, and

@@ -45,7 +45,8 @@ class Rollout:
                                                   response_mask | env_mask, and response_mask (the loss mask, the
                                                   sampling log-probs) covers only what the model sampled
     env_reward         (B,) float32               each environment's get_reward() (0 without one)
-    episodes           list of B dicts            turns, tool_calls, tool_failures and the messages of each episode
+    episodes           list of B dicts            turns, tool_calls, tool_failures, the messages of each episode and
+                                                  its environment's name (multi-environment form, else None)
     Set once scored (rewards.Rewards.of_rollout), else None:
     reward_sources     {name: (B,) float32}       each reward source's own scores, unweighted (rewards/<name>/*)
     """
