@@ -73,7 +73,8 @@ def _zero3(out, *extra):
         "--config", TINY, "--output_dir", str(out), "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1",
         "--prompts_per_step", "8", "--num_iterations", "2", "--num_mini_batches", "2", "--max_tokens_per_microbatch",
         "200", "--loss_type", "grpo", "--dynamic_sampling", "--max_num_gen_batches", "3",
-        "--environment_factory", "examples/environments.py:KindFeedback", "--max_completion_length", "24", *extra])
+        "--environment_factory", "examples/environments.py:KindFeedback", "--max_completion_length", "24",
+        "--dataset_test_split", "test[:32]", *extra])
 
 
 @pytest.mark.slow
