@@ -196,7 +196,8 @@ def test_ppo_async_with_server(vllm_server, tmp_path):
     run(recipe_cmd("ppo.py", ["--rollout", "vllm-server", "--vllm_server_url", vllm_server.url, "--async_rollout",
                               "--output_dir", str(out), "--max_steps", "3", "--prompts_per_step", "8",
                               "--logging_steps", "1", "--environment_factory", "examples/environments.py:KindFeedback",
-                              "--max_completion_length", "24"]), timeout=420, VLLM_HOST_IP="127.0.0.1")
+                              "--max_completion_length", "24", "--dataset_test_split", "none"]), timeout=420,
+        VLLM_HOST_IP="127.0.0.1")
     rows = [r for r in metrics(out) if "reward/mean" in r]
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 1]
     assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 and r["episode/turns"] >= 1 for r in rows)

@@ -270,8 +270,8 @@ def test_grpo_lora_vllm_sync_on_tied_model(tiny_tied_path, tmp_path):
     t0 = time.time()
     run(recipe_cmd("grpo.py", [*LORA, "--model_name_or_path", model, "--rollout", rollout,
                                "--vllm_probe_threshold", "1e-3", "--learning_rate", "1e-2", "--output_dir", str(out),
-                               "--max_steps", "3", "--prompts_per_step", "8", "--logging_steps", "1"]),
-        timeout=420, VLLM_HOST_IP="127.0.0.1")
+                               "--max_steps", "3", "--prompts_per_step", "8", "--logging_steps", "1",
+                               "--dataset_test_split", "none"]), timeout=420, VLLM_HOST_IP="127.0.0.1")
     rows = [r for r in metrics(out) if "rollout/logprob_max_abs_diff" in r]
     print(f"grpo lora {rollout} {time.time() - t0:.1f}s: "
           f"{[(r['rollout/logprob_max_abs_diff'], r['rollout/probe_trainer_moved']) for r in rows]}")

@@ -278,7 +278,8 @@ def test_ppo_runs_against_the_shared_server(vllm_server, tmp_path):
     out = tmp_path / "run"
     run(recipe_cmd("ppo.py", ["--rollout", "vllm-server", "--vllm_server_url", vllm_server.url, "--output_dir",
                               str(out), "--max_steps", "2", "--prompts_per_step", "8", "--num_ppo_epochs", "1",
-                              "--num_mini_batches", "1", "--logging_steps", "1"]), timeout=300,
+                              "--num_mini_batches", "1", "--logging_steps", "1", "--dataset_test_split", "none"]),
+        timeout=300,
         VLLM_HOST_IP="127.0.0.1")
     rows_ = [r for r in metrics(out) if "reward/mean" in r]
     assert [r["step"] for r in rows_] == [1, 2]

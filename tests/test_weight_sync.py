@@ -241,7 +241,7 @@ def test_grpo_zero3_tied_model_with_vllm(tiny_tied_path, tmp_path):
     run(launch_cmd("zero3.yaml", 2, "grpo.py", [
         "--model_name_or_path", tiny_tied_path, "--rollout", "vllm", "--vllm_probe_threshold", "1e-3",
         "--learning_rate", "1e-2", "--output_dir", str(out), "--max_steps", "3", "--prompts_per_step", "8",
-        "--logging_steps", "1"]), timeout=400, VLLM_HOST_IP="127.0.0.1")
+        "--logging_steps", "1", "--dataset_test_split", "none"]), timeout=400, VLLM_HOST_IP="127.0.0.1")
     rows = [r for r in metrics(out) if "rollout/logprob_max_abs_diff" in r]
     print(f"grpo zero3 tied {time.time() - t0:.1f}s: {[r['rollout/logprob_max_abs_diff'] for r in rows]}")
     assert [r["step"] for r in rows] == [1, 2, 3]
