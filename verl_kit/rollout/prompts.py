@@ -67,8 +67,8 @@ def episode_metrics(ro: Rollout, scores: torch.Tensor, environments: tuple[str, 
     rollouts."""
     if ro.episodes is None:
         return {}
-    of = [e["environment"] for e in ro.episodes]
-    groups = {"": [True] * len(of), **{f"env/{name}/": [e == name for e in of] for name in environments}}
+    names = [e["environment"] for e in ro.episodes]
+    groups = {"": [True] * len(names), **{f"env/{name}/": [e == name for e in names] for name in environments}}
     sums = {"env_tokens": ro.env_mask.sum(), "all_tokens": ro.sequence_mask.sum()}
     for g, member in groups.items():
         eps = [e for e, m in zip(ro.episodes, member) if m]
@@ -142,7 +142,7 @@ def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score,
                 calls = calls.view(len(idx), params.n, 2)[real]
                 tally.add(tool_calls=calls[..., 0], tool_failures=calls[..., 1])
             for name in environments:  # the multi-environment form: each environment's own held-out reward
-                member = torch.tensor([r.get("environment") == name for r in rows_of]).view(len(idx), params.n)
+                member = torch.tensor([e["environment"] == name for e in ro.episodes]).view(len(idx), params.n)
                 member &= real[:, None]
                 tally.add(**{f"env/{name}/n": member, f"env/{name}/score": scores[member]})
             for name, values in (extra(rows_of, ro) if extra else {}).items():
