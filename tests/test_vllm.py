@@ -305,10 +305,12 @@ def test_server_started_by_a_run_dies_with_it(tmp_path):
         found = set()
         for p in psutil.process_iter(["cmdline"]):
             try:
+                # The server leads its own process group; a child it forks carries its command line until it
+                # execs (vLLM's engine core starts that way), so only a group leader counts.
                 if ("verl_kit.rollout.vllm_server api-server" in " ".join(p.info["cmdline"] or [])
-                        and p.environ().get("VERL_KIT_TEST_TAG") == tag):
+                        and p.environ().get("VERL_KIT_TEST_TAG") == tag and os.getpgid(p.pid) == p.pid):
                     found.add(p.pid)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
+            except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
                 pass
         return found
 
