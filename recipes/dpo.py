@@ -1,4 +1,6 @@
-"""DPO: Direct Preference Optimization (Rafailov et al. 2023) on DeepSpeed ZeRO-3, with sequence packing.
+"""DPO: Direct Preference Optimization (Rafailov et al. 2023) and its variants under TRL's `--loss_type` names (IPO,
+hinge, robust, EXO, NCA, BCO, SPPO, APO, DiscoPOP, RPO's NLL term, and weighted mixes) on DeepSpeed ZeRO-3, with
+sequence packing.
 
     python recipes/dpo.py                                   # one process, embedded tiny model and task
     python recipes/dpo.py --config recipes/configs/dpo_tiny.yaml --learning_rate 1e-3
@@ -10,18 +12,18 @@ resume, before the checkpoint is loaded), so no second model sits in memory besi
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
+import logging
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
 
 import torch
 
-from verl_kit.algos import dpo_loss, global_mean_share, implicit_rewards
+from verl_kit.algos import DPO_LOSS_TYPES, dpo_loss, global_mean_share, implicit_rewards
 from verl_kit.config import OfflineConfig, parse_args
 from verl_kit.data import forward_logits, load_splits, preference_examples, sequence_logprobs
-from verl_kit.errors import main_guard
+from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger
 from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask, with_lora
 from verl_kit.train import (
@@ -41,25 +43,62 @@ from verl_kit.train import (
     steps_indices,
 )
 
+logger = logging.getLogger("verl_kit")
+
 
 @dataclass
 class DPOConfig(OfflineConfig):
-    CHOICES: ClassVar[dict] = {"loss_type": ("sigmoid", "ipo")}
-
     beta: float = field(default=0.1, metadata={
         "help": "temperature of the implicit reward beta * log(pi / pi_ref): higher keeps the policy nearer the "
                 "reference (for IPO, the inverse of the target margin)"})
-    loss_type: str = field(default="sigmoid", metadata={"help": "sigmoid (DPO) or ipo"})
+    loss_type: str = field(default="sigmoid", metadata={
+        "help": f"TRL's names: {', '.join(DPO_LOSS_TYPES)} (docs/algorithms.md); several, comma-separated, are "
+                "added with --loss_weights (TRL's MPO; sigmoid,sft is RPO)"})
+    loss_weights: str | None = field(default=None, metadata={
+        "help": "comma-separated weights, one per --loss_type; unset: 1 each"})
     label_smoothing: float = field(default=0.0, metadata={
-        "help": "assumed fraction of flipped labels: conservative DPO (sigmoid loss only)"})
+        "help": "assumed fraction of flipped labels: conservative DPO (sigmoid), robust DPO (robust; < 0.5), or "
+                "EXO's epsilon (exo_pair; > 0, its paper uses 1e-3)"})
+    discopop_tau: float = field(default=0.05, metadata={"help": "DiscoPOP's temperature (--loss_type discopop)"})
+
+    def losses(self) -> list[tuple[str, float]]:
+        """--loss_type and --loss_weights as (loss type, weight) pairs; a one-line UserError for a bad value."""
+        types = [t.strip() for t in self.loss_type.split(",")]
+        for t in types:
+            if t not in DPO_LOSS_TYPES:
+                raise UserError(f"--loss_type: {t!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
+        try:
+            weights = [1.0] * len(types) if self.loss_weights is None else \
+                [float(w) for w in str(self.loss_weights).split(",")]
+        except ValueError:
+            raise UserError(f"--loss_weights {self.loss_weights!r}: expected comma-separated numbers") from None
+        if len(weights) != len(types):
+            raise UserError(f"--loss_weights {self.loss_weights}: {len(weights)} weight(s) for {len(types)} loss "
+                            f"type(s) ({self.loss_type})")
+        eps = self.label_smoothing
+        if eps and not {"sigmoid", "robust", "exo_pair"} & set(types):
+            raise UserError(f"--label_smoothing {eps}: only sigmoid, robust and exo_pair use it, not {self.loss_type}")
+        if not 0 <= eps < 1 or ("robust" in types and eps >= 0.5) or ("exo_pair" in types and eps <= 0):
+            raise UserError(f"--label_smoothing {eps}: use [0, 1) (robust: [0, 0.5); exo_pair: (0, 1))")
+        if self.discopop_tau <= 0:
+            raise UserError(f"--discopop_tau {self.discopop_tau}: use > 0")
+        return list(zip(types, weights))
+
+    def check(self, world: int) -> None:
+        """One-line UserErrors for the loss flags (after parsing)."""
+        types = dict(self.losses())
+        if "discopop" in types and self.discopop_tau < 0.103:
+            # d loss / d(beta h) at h = 0 is (1 - ln 2) / (4 tau) - 3/4: above 0 for tau < 0.1023
+            logger.warning("--loss_type discopop with --discopop_tau %s < 0.103 rises at zero margin: a policy that "
+                           "starts as its reference is first pushed toward the rejected completions "
+                           "(docs/algorithms.md)", self.discopop_tau)
 
 
-def length_average(logps, ref, lengths, cfg):
-    """Policy and reference log-probs (B, 2) as the loss wants them: IPO compares length-averaged log-probs
-    (Azar et al. 2023, section 5.2), DPO compares sums."""
-    if cfg.loss_type == "ipo":
-        logps, ref = logps / lengths, ref / lengths
-    return logps, ref
+def pair_loss(pol, ref, lengths, cfg):
+    """Per-pair loss (B,) from policy and reference log-probs summed over each completion and the completions'
+    lengths, all (B, 2) as (chosen, rejected): the --loss_type terms weighted by --loss_weights."""
+    return sum(w * dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], cfg.beta, loss_type, cfg.label_smoothing,
+                            lengths[:, 0], lengths[:, 1], cfg.discopop_tau) for loss_type, w in cfg.losses())
 
 
 @main_guard
@@ -67,6 +106,7 @@ def main():
     cfg = parse_args(DPOConfig)
     accelerator = make_accelerator(cfg)
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    cfg.check(world)
 
     # ---- data and models -----------------------------------------------------------------------------------------
     model_path = resolve_model_path(cfg.model_name_or_path)
@@ -95,10 +135,9 @@ def main():
 
     def evaluate(step):
         logps = score_items(accelerator, policy.model, items(test), cfg, pad, block_mask, "eval")
-        pol, ref = length_average(logps, ref_test, lengths(test), cfg)
-        rewards = implicit_rewards(pol, ref, cfg.beta)
+        rewards = implicit_rewards(logps, ref_test, cfg.beta)
         acc = (rewards[:, 0] > rewards[:, 1]).float().mean().item()
-        loss = dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], cfg.beta, cfg.loss_type, cfg.label_smoothing)
+        loss = pair_loss(logps, ref_test, lengths(test), cfg)
         log.log(step, {"eval/loss": loss.mean().item(), "eval/rewards/accuracy": acc,
                        "eval/rewards/margin": (rewards[:, 0] - rewards[:, 1]).mean().item()})
 
@@ -123,12 +162,12 @@ def main():
             exs = [train[i] for i in chunk]
             batch = make_batch(items(exs), cfg, pad, block_mask).to(device)
             logps = sequence_logprobs(forward_logits(policy.model, batch), batch).view(-1, 2)
-            pol, ref = length_average(logps, ref_train[chunk].to(device), lengths(exs).to(device), cfg)
-            losses = dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], cfg.beta, cfg.loss_type, cfg.label_smoothing)
+            ref = ref_train[chunk].to(device)
+            losses = pair_loss(logps, ref, lengths(exs).to(device), cfg)
             # Mean over the pairs of the global step. DDP and DeepSpeed average gradients over ranks, so the rank's
             # sum is scaled by world / per_step; the result does not depend on how pairs are split.
             policy.backward(global_mean_share(losses, per_step, world))
-            r = implicit_rewards(pol, ref, cfg.beta).detach()
+            r = implicit_rewards(logps, ref, cfg.beta).detach()
             tally.add(loss=losses.detach(), correct=r[:, 0] > r[:, 1], margin=r[:, 0] - r[:, 1], chosen=r[:, 0],
                       rejected=r[:, 1], tokens=batch.num_tokens)
         grad_norm = policy.step()

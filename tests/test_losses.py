@@ -26,8 +26,77 @@ def test_conservative_dpo_hand_value():
 
 
 def test_ipo_hand_value():
-    """IPO: (h - 1/(2 beta))^2 with h = 1.5, beta = 0.1 -> (1.5 - 5)^2 = 12.25."""
-    assert dpo_loss(PC, PR, RC, RR, beta=0.1, loss_type="ipo").item() == pytest.approx(12.25)
+    """IPO on per-token averages: chosen 4 tokens, rejected 5: c' = 1/4 = 0.25, r' = -0.5/5 = -0.1, h' = 0.35;
+    (h' - 1/(2 beta))^2 = (0.35 - 5)^2 = 21.6225. With lengths 1 it is (h - 5)^2 = (1.5 - 5)^2 = 12.25."""
+    assert dpo_loss(PC, PR, RC, RR, 0.1, "ipo", chosen_lengths=LC, rejected_lengths=LR).item() == \
+        pytest.approx(21.6225)
+    one = torch.ones(1)
+    assert dpo_loss(PC, PR, RC, RR, 0.1, "ipo", chosen_lengths=one, rejected_lengths=one).item() == \
+        pytest.approx(12.25)
+    with pytest.raises(ValueError, match="chosen_lengths"):
+        dpo_loss(PC, PR, RC, RR, 0.1, "ipo")
+
+
+# TRL 1.16's DPOConfig.loss_type variants on the same pair: c = -10 - -11 = 1 (chosen log-ratio), r = -12 - -11.5 =
+# -0.5 (rejected), h = c - r = 1.5, beta = 0.1; log sigma(x) = -log(1 + e^-x), sigma(0.1) = 0.524979,
+# sigma(0.15) = 0.537430, sigma(-0.05) = 0.487503.
+LC, LR = torch.tensor([4.0]), torch.tensor([5.0])  # completion lengths, for the per-token losses
+
+
+@pytest.mark.parametrize("loss_type, kwargs, expected", [
+    # max(0, 1 - beta h) = 1 - 0.15
+    ("hinge", {}, 0.85),
+    # rDPO: (-(1-e) log s(bh) + e log s(-bh)) / (1 - 2e); log s(-x) = log s(x) - x gives -log s(bh) - e bh / (1 - 2e)
+    # = 0.620957 - 0.2 * 0.15 / 0.6 = 0.620957 - 0.05
+    ("robust", {"label_smoothing": 0.2}, 0.570957),
+    # EXO: q = (s(0.15), s(-0.15)) = (0.537430, 0.462570), p = (1 - 1e-3, 1e-3):
+    # 0.537430 (log 0.537430 - log 0.999) + 0.462570 (log 0.462570 - log 0.001)
+    # = 0.537430 (-0.620957 + 0.001001) + 0.462570 (-0.770957 + 6.907755) = -0.333180 + 2.838697
+    ("exo_pair", {"label_smoothing": 1e-3}, 2.505517),
+    # -log s(0.1) - 0.5 log s(-0.1) - 0.5 log s(0.05) = 0.644397 + 0.372198 + 0.334230
+    ("nca_pair", {}, 1.350825),
+    # -log s(0.1) - log s(0.05) = 0.644397 + 0.668460
+    ("bco_pair", {}, 1.312856),
+    # (c - 1/(2 beta))^2 + (r + 1/(2 beta))^2 = (1 - 5)^2 + (-0.5 + 5)^2 = 16 + 20.25
+    ("sppo_hard", {}, 36.25),
+    # 1 - s(beta c) + s(beta r) = 1 - 0.524979 + 0.487503
+    ("apo_zero", {}, 0.962524),
+    # s(beta c) + 1 - s(beta h) = 0.524979 + 1 - 0.537430
+    ("apo_down", {}, 0.987549),
+    # m = s(0.15 / 0.05) = s(3) = 0.952574: (1 - m) 0.620957 + m e^-0.15 = 0.029449 + 0.952574 * 0.860708
+    ("discopop", {"discopop_tau": 0.05}, 0.849338),
+    # -log s(beta h') with h' = 0.25 - -0.1 = 0.35: log(1 + e^-0.035)
+    ("sigmoid_norm", {"chosen_lengths": LC, "rejected_lengths": LR}, 0.675800),
+    # the chosen completion's per-token NLL: 10 / 4
+    ("sft", {"chosen_lengths": LC, "rejected_lengths": LR}, 2.5),
+])
+def test_dpo_variant_hand_values(loss_type, kwargs, expected):
+    assert dpo_loss(PC, PR, RC, RR, 0.1, loss_type, **kwargs).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_every_dpo_loss_type_has_a_hand_value():
+    from verl_kit.algos import DPO_LOSS_TYPES
+
+    worked = {"sigmoid", "ipo"}  # their own tests above
+    params = test_dpo_variant_hand_values.pytestmark[0].args[1]
+    assert set(DPO_LOSS_TYPES) == worked | {p[0] for p in params}
+
+
+def test_dpo_variant_gradients_point_the_documented_way():
+    """apo_zero raises the chosen completion and lowers the rejected one; apo_down lowers both, the rejected more
+    (APO, eqs. 7-8); sft moves the chosen one only, by -1/|y_w| = -0.25."""
+    def grads(loss_type):
+        pc, pr = PC.clone().requires_grad_(True), PR.clone().requires_grad_(True)
+        dpo_loss(pc, pr, RC, RR, 0.1, loss_type, chosen_lengths=LC, rejected_lengths=LR).sum().backward()
+        return pc.grad.item(), (pr.grad.item() if pr.grad is not None else 0.0)
+    gc, gr = grads("apo_zero")
+    assert gc < 0 < gr  # descent raises chosen, lowers rejected
+    gc, gr = grads("apo_down")
+    assert 0 < gc < gr  # both down, the rejected more
+    # d/dc [s(0.1 c) + 1 - s(0.1 (c - r))] = 0.1 (s'(0.1) - s'(0.15)); d/dr = 0.1 s'(0.15)
+    s1, s15 = 0.524979 * (1 - 0.524979), 0.537430 * (1 - 0.537430)
+    assert (gc, gr) == (pytest.approx(0.1 * (s1 - s15), abs=1e-7), pytest.approx(0.1 * s15, abs=1e-7))
+    assert grads("sft") == (pytest.approx(-0.25), 0.0)
 
 
 def test_loss_is_per_pair_and_symmetric_at_zero():
@@ -43,6 +112,7 @@ def test_implicit_rewards_and_bad_loss_type():
     assert implicit_rewards(PC, RC, 0.1).item() == pytest.approx(0.1)
     with pytest.raises(ValueError, match="loss_type"):
         dpo_loss(PC, PR, RC, RR, beta=0.1, loss_type="hinge2")
+
 
 
 def test_gradient_direction():

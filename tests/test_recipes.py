@@ -160,13 +160,22 @@ def test_shipped_configs_parse(config):
 
 @pytest.mark.parametrize("args, expected", [
     (["--beta", "high"], "invalid float value: 'high'"),
-    (["--loss_type", "hinge2"], "--loss_type: 'hinge2' is not one of sigmoid, ipo"),
+    (["--loss_type", "hinge2"], "--loss_type: 'hinge2' is not one of sigmoid, hinge, ipo, robust, exo_pair,"),
+    (["--loss_type", "sigmoid,sft2"], "--loss_type: 'sft2' is not one of sigmoid, hinge,"),
+    (["--loss_type", "sigmoid,sft", "--loss_weights", "1"],
+     "--loss_weights 1: 1 weight(s) for 2 loss type(s) (sigmoid,sft)"),
+    (["--loss_weights", "one"], "--loss_weights 'one': expected comma-separated numbers"),
+    (["--loss_type", "hinge", "--label_smoothing", "0.1"],
+     "--label_smoothing 0.1: only sigmoid, robust and exo_pair use it, not hinge"),
+    (["--loss_type", "robust", "--label_smoothing", "0.5"], "--label_smoothing 0.5: use [0, 1) (robust: [0, 0.5)"),
+    (["--loss_type", "exo_pair"], "--label_smoothing 0.0: use [0, 1) (robust: [0, 0.5); exo_pair: (0, 1))"),
+    (["--loss_type", "discopop", "--discopop_tau", "0"], "--discopop_tau 0.0: use > 0"),
     (["--eval_steps", "0"], "--eval_steps: must be >= 1, got 0"),
 ])
 def test_recipe_flag_errors(args, expected):
-    """The recipe's own flags and choices (DPOConfig), parsed as its main() does."""
+    """The recipe's own flags and choices (DPOConfig), parsed and checked as its main() does."""
     with pytest.raises(UserError) as e:
-        parse_args(recipe_config("dpo.py"), args)
+        parse_args(recipe_config("dpo.py"), args).check(1)
     assert expected in str(e.value) and "\n" not in str(e.value)
 
 

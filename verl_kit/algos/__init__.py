@@ -1,6 +1,7 @@
-"""Pure maths, tensors in and out (imports only torch): advantages and KL estimators, preference losses (DPO,
-IPO, KTO, Bradley-Terry), policy and value losses with their reductions, off-policy importance weights, pass@k, the
-groups dynamic sampling keeps, on-policy distillation losses (reverse-KL advantages, generalized JSD)."""
+"""Pure maths, tensors in and out (imports only torch): advantages and KL estimators, preference losses (the DPO
+family under TRL's loss_type names, KTO, Bradley-Terry), policy and value losses with their reductions, off-policy
+importance weights, pass@k, the groups dynamic sampling keeps, on-policy distillation losses (reverse-KL advantages,
+generalized JSD)."""
 
 from verl_kit.algos.advantages import (
     AdaptiveKLController,
@@ -32,6 +33,7 @@ from verl_kit.algos.policy import (
     value_loss,
 )
 from verl_kit.algos.preference import (
+    DPO_LOSS_TYPES,
     bradley_terry_loss,
     dpo_logits,
     dpo_loss,

@@ -1,8 +1,10 @@
-"""Preference losses as pure tensor functions. DPO/IPO/KTO take per-sequence log-probabilities summed (or averaged, for
-IPO) over completion tokens; Bradley-Terry takes the reward model's scalar rewards. Outputs are per-example losses,
-so the caller chooses and states the reduction."""
+"""Preference losses as pure tensor functions. The DPO family and KTO take per-sequence log-probabilities summed over
+completion tokens (with the completions' lengths where a loss averages per token); Bradley-Terry takes the reward
+model's scalar rewards. Outputs are per-example losses, so the caller chooses and states the reduction."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -14,21 +16,80 @@ def dpo_logits(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_c
     return (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-pair DPO-family loss, shape (B,).
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+                  "apo_down", "discopop", "sigmoid_norm", "sft")
 
-    sigmoid: -log sigma(beta*h), DPO (Rafailov et al. 2023, eq. 7); with label_smoothing eps > 0 it is the
-             conservative DPO of Mitchell (2023): -(1-eps) log sigma(beta*h) - eps log sigma(-beta*h).
-    ipo:     (h - 1/(2*beta))^2, IPO (Azar et al. 2023, eq. 17); pass length-averaged log-probs, as the paper does.
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+             chosen_lengths: torch.Tensor | None = None, rejected_lengths: torch.Tensor | None = None,
+             discopop_tau: float = 0.05) -> torch.Tensor:
+    """Per-pair loss of the DPO family, shape (B,), under TRL 1.16's `DPOConfig.loss_type` names and formulas.
+
+    Inputs are log-probs summed over each completion's tokens, (B,); `chosen_lengths`/`rejected_lengths` (B,) are
+    the completions' token counts, needed by ipo, sigmoid_norm and sft. With c = log pi(y_w|x) - log ref(y_w|x) and
+    r = log pi(y_l|x) - log ref(y_l|x) (the log-ratios), h = c - r, and the same ratios averaged per token c', r':
+
+    sigmoid:      -log sigma(beta h), DPO (Rafailov et al. 2023, eq. 7); label_smoothing eps > 0 makes it
+                  conservative DPO (Mitchell 2023): -(1-eps) log sigma(beta h) - eps log sigma(-beta h)
+                  (TRL 1.16's sigmoid ignores label_smoothing; its robust and exo_pair use it)
+    hinge:        max(0, 1 - beta h), SLiC (Zhao et al. 2023)
+    ipo:          (c' - r' - 1/(2 beta))^2, IPO (Azar et al. 2023, eq. 17), on per-token averages as TRL does
+    robust:       (-(1-eps) log sigma(beta h) + eps log sigma(-beta h)) / (1 - 2 eps), rDPO (Chowdhury et al. 2024);
+                  eps = label_smoothing in [0, 0.5)
+    exo_pair:     KL(q || p) over {chosen, rejected}, q = (sigma(beta h), sigma(-beta h)), p = (1-eps, eps), EXO
+                  (Ji et al. 2024, eq. 16); eps = label_smoothing in (0, 1)
+    nca_pair:     -log sigma(beta c) - 0.5 log sigma(-beta c) - 0.5 log sigma(-beta r), NCA (Chen et al. 2024)
+    bco_pair:     -log sigma(beta c) - log sigma(-beta r), BCO on pairs (Jung et al. 2024; without BCO's running
+                  reward shift, as TRL's)
+    sppo_hard:    (c - 1/(2 beta))^2 + (r + 1/(2 beta))^2, SPPO with hard win probabilities (Wu et al. 2024)
+    apo_zero:     1 - sigma(beta c) + sigma(beta r), APO-zero (D'Oosterlinck et al. 2024, eq. 7): chosen up,
+                  rejected down; for chosen completions better than the model's own
+    apo_down:     sigma(beta c) + 1 - sigma(beta h), APO-down (eq. 8): both down, rejected more
+    discopop:     m = sigma(beta h / tau): (1 - m) (-log sigma(beta h)) + m exp(-beta h), DiscoPOP (Chris Lu et al.
+                  2024, eq. 5); tau = discopop_tau
+    sigmoid_norm: -log sigma(beta (c' - r')), DPO on per-token averages
+    sft:          -log pi(y_w|x) / |y_w|, the chosen completion's per-token NLL (RPO, Pang et al. 2024, with
+                  `sigmoid`); per pair, where TRL averages over all chosen tokens of its batch (equal when the
+                  completions are equally long)
     """
-    h = dpo_logits(policy_chosen, policy_rejected, ref_chosen, ref_rejected)
+    c, r = policy_chosen - ref_chosen, policy_rejected - ref_rejected
+    h, eps = c - r, label_smoothing
+    if loss_type in ("ipo", "sigmoid_norm", "sft"):
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError(f"loss_type {loss_type}: pass chosen_lengths and rejected_lengths (per-token averages)")
+        chosen_lengths, rejected_lengths = chosen_lengths.clamp(min=1), rejected_lengths.clamp(min=1)
+        h_avg = c / chosen_lengths - r / rejected_lengths
     if loss_type == "sigmoid":
-        return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+        return -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * h)
     if loss_type == "ipo":
-        return (h - 1 / (2 * beta)) ** 2
-    raise ValueError(f"--loss_type: unknown value {loss_type!r}; choose one of: sigmoid, ipo")
+        return (h_avg - 1 / (2 * beta)) ** 2
+    if loss_type == "robust":
+        return (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
+    if loss_type == "exo_pair":
+        q_w, q_l = torch.sigmoid(beta * h), torch.sigmoid(-beta * h)
+        return (q_w * (F.logsigmoid(beta * h) - math.log1p(-eps))
+                + q_l * (F.logsigmoid(-beta * h) - math.log(eps)))
+    if loss_type == "nca_pair":
+        return -F.logsigmoid(beta * c) - 0.5 * F.logsigmoid(-beta * c) - 0.5 * F.logsigmoid(-beta * r)
+    if loss_type == "bco_pair":
+        return -F.logsigmoid(beta * c) - F.logsigmoid(-beta * r)
+    if loss_type == "sppo_hard":
+        return (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2
+    if loss_type == "apo_zero":
+        return 1 - torch.sigmoid(beta * c) + torch.sigmoid(beta * r)
+    if loss_type == "apo_down":
+        return torch.sigmoid(beta * c) + 1 - torch.sigmoid(beta * h)
+    if loss_type == "discopop":
+        m = torch.sigmoid(beta * h / discopop_tau)
+        return (1 - m) * -F.logsigmoid(beta * h) + m * torch.exp(-beta * h)
+    if loss_type == "sigmoid_norm":
+        return -F.logsigmoid(beta * h_avg)
+    if loss_type == "sft":
+        return -policy_chosen / chosen_lengths
+    raise ValueError(f"--loss_type: unknown value {loss_type!r}; choose from: {', '.join(DPO_LOSS_TYPES)}")
 
 
 def implicit_rewards(policy_logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) -> torch.Tensor:
