@@ -1,6 +1,6 @@
 """DPO: Direct Preference Optimization (Rafailov et al. 2023) and its variants under TRL's `--loss_type` names (IPO,
-hinge, robust, EXO, NCA, BCO, SPPO, APO, DiscoPOP, RPO's NLL term, and weighted mixes) on DeepSpeed ZeRO-3, with
-sequence packing.
+hinge, robust, EXO, NCA, BCO, SPPO, APO, DiscoPOP, RPO's NLL term, weighted mixes, f-DPO's divergences) on DeepSpeed
+ZeRO-3, with sequence packing.
 
     python recipes/dpo.py                                   # one process, embedded tiny model and task
     python recipes/dpo.py --config recipes/configs/dpo_tiny.yaml --learning_rate 1e-3
@@ -17,10 +17,18 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import torch
 
-from verl_kit.algos import DPO_LOSS_TYPES, dpo_loss, global_mean_share, implicit_rewards
+from verl_kit.algos import (
+    DPO_LOSS_TYPES,
+    F_DIVERGENCE_LOSS_TYPES,
+    F_DIVERGENCES,
+    dpo_loss,
+    global_mean_share,
+    implicit_rewards,
+)
 from verl_kit.config import OfflineConfig, parse_args
 from verl_kit.data import forward_logits, load_splits, preference_examples, sequence_logprobs
 from verl_kit.errors import UserError, main_guard
@@ -48,6 +56,8 @@ logger = logging.getLogger("verl_kit")
 
 @dataclass
 class DPOConfig(OfflineConfig):
+    CHOICES: ClassVar[dict] = {"f_divergence_type": F_DIVERGENCES}
+
     beta: float = field(default=0.1, metadata={
         "help": "temperature of the implicit reward beta * log(pi / pi_ref): higher keeps the policy nearer the "
                 "reference (for IPO, the inverse of the target margin)"})
@@ -60,6 +70,12 @@ class DPOConfig(OfflineConfig):
         "help": "assumed fraction of flipped labels: conservative DPO (sigmoid), robust DPO (robust; < 0.5), or "
                 "EXO's epsilon (exo_pair; > 0, its paper uses 1e-3)"})
     discopop_tau: float = field(default=0.05, metadata={"help": "DiscoPOP's temperature (--loss_type discopop)"})
+    f_divergence_type: str = field(default="reverse_kl", metadata={
+        "help": "f-DPO's divergence to the reference (TRL's): reverse_kl is DPO; forward_kl, js_divergence and "
+                "alpha_divergence replace each log-ratio by f'(pi/ref), for --loss_type "
+                f"{', '.join(F_DIVERGENCE_LOSS_TYPES)}"})
+    f_alpha_divergence_coef: float = field(default=0.5, metadata={
+        "help": "alpha of --f_divergence_type alpha_divergence (1: reverse_kl)"})
 
     def losses(self) -> list[tuple[str, float]]:
         """--loss_type and --loss_weights as (loss type, weight) pairs; a one-line UserError for a bad value."""
@@ -82,6 +98,9 @@ class DPOConfig(OfflineConfig):
             raise UserError(f"--label_smoothing {eps}: use [0, 1) (robust: [0, 0.5); exo_pair: (0, 1))")
         if self.discopop_tau <= 0:
             raise UserError(f"--discopop_tau {self.discopop_tau}: use > 0")
+        if self.f_divergence_type != "reverse_kl" and not set(types) <= set(F_DIVERGENCE_LOSS_TYPES):
+            raise UserError(f"--f_divergence_type {self.f_divergence_type} applies to --loss_type "
+                            f"{', '.join(F_DIVERGENCE_LOSS_TYPES)}, not {self.loss_type}")
         return list(zip(types, weights))
 
     def check(self, world: int) -> None:
@@ -98,7 +117,8 @@ def pair_loss(pol, ref, lengths, cfg):
     """Per-pair loss (B,) from policy and reference log-probs summed over each completion and the completions'
     lengths, all (B, 2) as (chosen, rejected): the --loss_type terms weighted by --loss_weights."""
     return sum(w * dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], cfg.beta, loss_type, cfg.label_smoothing,
-                            lengths[:, 0], lengths[:, 1], cfg.discopop_tau) for loss_type, w in cfg.losses())
+                            lengths[:, 0], lengths[:, 1], cfg.discopop_tau, cfg.f_divergence_type,
+                            cfg.f_alpha_divergence_coef) for loss_type, w in cfg.losses())
 
 
 @main_guard

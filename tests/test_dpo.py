@@ -61,12 +61,14 @@ def test_hf_export_loads_and_generates(trained):
     (["--loss_type", "robust", "--label_smoothing", "0.1"], True),
     (["--loss_type", "apo_zero"], True),
     (["--loss_type", "sigmoid,sft", "--loss_weights", "1,0.2"], True),  # RPO
+    (["--f_divergence_type", "js_divergence"], True),  # f-DPO
     # TRL's default tau: the loss rises at zero margin ((1 - ln 2) / (4 tau) > 3/4), the run's warning says so
     (["--loss_type", "discopop"], False),
 ])
 def test_dpo_variants_on_held_out_pairs(tmp_path, flags, learns):
-    """TRL's loss types through the recipe, 12 steps on the embedded task (sigmoid: held-out accuracy 1.0 by step
-    10): each learns the held-out preferences, but DiscoPOP at TRL's default tau, which moves away from them."""
+    """TRL's loss types and an f-divergence through the recipe, 12 steps on the embedded task (sigmoid: held-out
+    accuracy 1.0 by step 10): each learns the held-out preferences, but DiscoPOP at TRL's default tau, which moves
+    away from them."""
     p = run(recipe_cmd("dpo.py", ["--output_dir", str(tmp_path / "run"), "--max_steps", "12", "--eval_steps", "12",
                                   "--dataset_test_split", "test[:64]", *flags]), timeout=300)
     final = [r for r in metrics(tmp_path / "run") if "eval/rewards/accuracy" in r][-1]

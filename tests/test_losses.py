@@ -82,6 +82,44 @@ def test_every_dpo_loss_type_has_a_hand_value():
     assert set(DPO_LOSS_TYPES) == worked | {p[0] for p in params}
 
 
+@pytest.mark.parametrize("f_divergence_type, sigmoid, hinge", [
+    # f'(u) at u = pi/ref: forward_kl 1 - 1/u: c -> 1 - e^-1 = 0.632121, r -> 1 - e^0.5 = -0.648721, h = 1.280842;
+    # -log s(0.1280842) = 0.631154, 1 - 0.1280842 = 0.871916
+    ("forward_kl", 0.631154, 0.871916),
+    # js_divergence log 2 + log s(log u): c -> 0.693147 - 0.313262 = 0.379885, r -> 0.693147 - 0.974077 = -0.280930,
+    # h = 0.660815; -log s(0.0660815) = 0.660652, 1 - 0.0660815 = 0.933918
+    ("js_divergence", 0.660652, 0.933918),
+    # alpha_divergence, alpha 0.5: (u^-0.5 - 1) / -0.5: c -> (e^-0.5 - 1) / -0.5 = 0.786939,
+    # r -> (e^0.25 - 1) / -0.5 = -0.568051, h = 1.354990; -log s(0.135499) = 0.627691, 1 - 0.135499 = 0.864501
+    ("alpha_divergence", 0.627691, 0.864501),
+])
+def test_f_divergence_hand_values(f_divergence_type, sigmoid, hinge):
+    for loss_type, expected in (("sigmoid", sigmoid), ("hinge", hinge)):
+        loss = dpo_loss(PC, PR, RC, RR, 0.1, loss_type, f_divergence_type=f_divergence_type)
+        assert loss.item() == pytest.approx(expected, abs=1e-6), loss_type
+
+
+def test_f_divergence_on_per_token_averages():
+    """sigmoid_norm with js_divergence (lengths 4 and 5): h' = 0.379885 / 4 - -0.280930 / 5 = 0.094971 + 0.056186 =
+    0.151157, -log s(0.0151157) = 0.685618 (log 2's constant in f' no longer cancels: the lengths differ)."""
+    loss = dpo_loss(PC, PR, RC, RR, 0.1, "sigmoid_norm", chosen_lengths=LC, rejected_lengths=LR,
+                    f_divergence_type="js_divergence")
+    assert loss.item() == pytest.approx(0.685618, abs=1e-6)
+
+
+def test_f_divergence_limits_and_refusals():
+    """reverse_kl is DPO; alpha_divergence at alpha 1 is its limit, log u; a loss type built on c and r apart
+    (here nca_pair) refuses another divergence, as TRL does."""
+    from verl_kit.algos import f_divergence_score
+
+    x = torch.tensor([-2.0, 0.0, 1.5])
+    assert torch.equal(f_divergence_score(x, "alpha_divergence", 1.0), x)
+    assert torch.allclose(f_divergence_score(x, "alpha_divergence", 1.0 + 1e-4), x, atol=1e-3)
+    assert dpo_loss(PC, PR, RC, RR, 0.1, f_divergence_type="reverse_kl").item() == pytest.approx(0.620957, abs=1e-6)
+    with pytest.raises(ValueError, match="applies to loss types .* not nca_pair"):
+        dpo_loss(PC, PR, RC, RR, 0.1, "nca_pair", f_divergence_type="forward_kl")
+
+
 def test_dpo_variant_gradients_point_the_documented_way():
     """apo_zero raises the chosen completion and lowers the rejected one; apo_down lowers both, the rejected more
     (APO, eqs. 7-8); sft moves the chosen one only, by -1/|y_w| = -0.25."""

@@ -170,6 +170,10 @@ def test_shipped_configs_parse(config):
     (["--loss_type", "robust", "--label_smoothing", "0.5"], "--label_smoothing 0.5: use [0, 1) (robust: [0, 0.5)"),
     (["--loss_type", "exo_pair"], "--label_smoothing 0.0: use [0, 1) (robust: [0, 0.5); exo_pair: (0, 1))"),
     (["--loss_type", "discopop", "--discopop_tau", "0"], "--discopop_tau 0.0: use > 0"),
+    (["--loss_type", "sigmoid,apo_zero", "--f_divergence_type", "js_divergence"],
+     "--f_divergence_type js_divergence applies to --loss_type sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, "
+     "discopop, sft, not sigmoid,apo_zero"),
+    (["--f_divergence_type", "kl"], "--f_divergence_type: 'kl' is not one of reverse_kl, forward_kl,"),
     (["--eval_steps", "0"], "--eval_steps: must be >= 1, got 0"),
 ])
 def test_recipe_flag_errors(args, expected):

@@ -34,9 +34,12 @@ from verl_kit.algos.policy import (
 )
 from verl_kit.algos.preference import (
     DPO_LOSS_TYPES,
+    F_DIVERGENCE_LOSS_TYPES,
+    F_DIVERGENCES,
     bradley_terry_loss,
     dpo_logits,
     dpo_loss,
+    f_divergence_score,
     implicit_rewards,
     kl_reference_point,
     kto_loss,

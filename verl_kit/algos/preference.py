@@ -18,12 +18,34 @@ def dpo_logits(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_c
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
                   "apo_down", "discopop", "sigmoid_norm", "sft")
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+# the loss types built on the chosen - rejected difference h, which an f-divergence's f'(pi/ref) may replace
+F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+
+
+def f_divergence_score(log_ratio: torch.Tensor, f_divergence_type: str = "reverse_kl",
+                       alpha: float = 0.5) -> torch.Tensor:
+    """f'(u) of the f-DPO paper (Wang et al. 2023) at u = pi/ref = exp(log_ratio), elementwise; it stands for the
+    log-ratio in DPO's difference h. reverse_kl: log u (DPO itself); forward_kl: 1 - 1/u; js_divergence:
+    log(2u / (1 + u)) = log 2 + log sigma(log u); alpha_divergence: (u^(alpha-1) - 1) / (alpha - 1), log u at
+    alpha = 1 (TRL's f_alpha_divergence_coef; its exponent capped at 80, as TRL's in fp32)."""
+    if f_divergence_type == "reverse_kl" or (f_divergence_type == "alpha_divergence" and abs(alpha - 1) < 1e-6):
+        return log_ratio
+    if f_divergence_type == "forward_kl":
+        return 1 - torch.exp(-log_ratio)
+    if f_divergence_type == "js_divergence":
+        return math.log(2) + F.logsigmoid(log_ratio)
+    if f_divergence_type == "alpha_divergence":
+        return (torch.exp(((alpha - 1) * log_ratio).clamp(max=80.0)) - 1) / (alpha - 1)
+    raise ValueError(f"--f_divergence_type: unknown value {f_divergence_type!r}; choose from: "
+                     f"{', '.join(F_DIVERGENCES)}")
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
              chosen_lengths: torch.Tensor | None = None, rejected_lengths: torch.Tensor | None = None,
-             discopop_tau: float = 0.05) -> torch.Tensor:
+             discopop_tau: float = 0.05, f_divergence_type: str = "reverse_kl",
+             f_alpha_divergence_coef: float = 0.5) -> torch.Tensor:
     """Per-pair loss of the DPO family, shape (B,), under TRL 1.16's `DPOConfig.loss_type` names and formulas.
 
     Inputs are log-probs summed over each completion's tokens, (B,); `chosen_lengths`/`rejected_lengths` (B,) are
@@ -52,14 +74,21 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     sft:          -log pi(y_w|x) / |y_w|, the chosen completion's per-token NLL (RPO, Pang et al. 2024, with
                   `sigmoid`); per pair, where TRL averages over all chosen tokens of its batch (equal when the
                   completions are equally long)
+
+    With another `f_divergence_type` (TRL's f-DPO), h and h' take f_divergence_score of c and of r in place of
+    c and r; only the F_DIVERGENCE_LOSS_TYPES accept that.
     """
     c, r = policy_chosen - ref_chosen, policy_rejected - ref_rejected
-    h, eps = c - r, label_smoothing
+    if f_divergence_type != "reverse_kl" and loss_type not in F_DIVERGENCE_LOSS_TYPES:
+        raise ValueError(f"--f_divergence_type {f_divergence_type} applies to loss types "
+                         f"{', '.join(F_DIVERGENCE_LOSS_TYPES)}, not {loss_type}")
+    score_c, score_r = (f_divergence_score(x, f_divergence_type, f_alpha_divergence_coef) for x in (c, r))
+    h, eps = score_c - score_r, label_smoothing
     if loss_type in ("ipo", "sigmoid_norm", "sft"):
         if chosen_lengths is None or rejected_lengths is None:
             raise ValueError(f"loss_type {loss_type}: pass chosen_lengths and rejected_lengths (per-token averages)")
         chosen_lengths, rejected_lengths = chosen_lengths.clamp(min=1), rejected_lengths.clamp(min=1)
-        h_avg = c / chosen_lengths - r / rejected_lengths
+        h_avg = score_c / chosen_lengths - score_r / rejected_lengths
     if loss_type == "sigmoid":
         return -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
     if loss_type == "hinge":
