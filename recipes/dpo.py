@@ -26,6 +26,7 @@ from verl_kit.algos import (
     F_DIVERGENCE_LOSS_TYPES,
     F_DIVERGENCES,
     dpo_loss,
+    dpo_loss_terms,
     global_mean_share,
     implicit_rewards,
 )
@@ -71,42 +72,23 @@ class DPOConfig(OfflineConfig):
                 "EXO's epsilon (exo_pair; > 0, its paper uses 1e-3)"})
     discopop_tau: float = field(default=0.05, metadata={"help": "DiscoPOP's temperature (--loss_type discopop)"})
     f_divergence_type: str = field(default="reverse_kl", metadata={
-        "help": "f-DPO's divergence to the reference (TRL's): reverse_kl is DPO; forward_kl, js_divergence and "
-                "alpha_divergence replace each log-ratio by f'(pi/ref), for --loss_type "
+        "help": "f-DPO's divergence to the reference (TRL's): reverse_kl is DPO; the others replace each log-ratio "
+                "by f'(pi/ref), for --loss_type "
                 f"{', '.join(F_DIVERGENCE_LOSS_TYPES)}"})
     f_alpha_divergence_coef: float = field(default=0.5, metadata={
         "help": "alpha of --f_divergence_type alpha_divergence (1: reverse_kl)"})
 
     def losses(self) -> list[tuple[str, float]]:
-        """--loss_type and --loss_weights as (loss type, weight) pairs; a one-line UserError for a bad value."""
-        types = [t.strip() for t in self.loss_type.split(",")]
-        for t in types:
-            if t not in DPO_LOSS_TYPES:
-                raise UserError(f"--loss_type: {t!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
+        """(loss type, weight) pairs from --loss_type and --loss_weights; a one-line UserError for a bad value."""
         try:
-            weights = [1.0] * len(types) if self.loss_weights is None else \
-                [float(w) for w in str(self.loss_weights).split(",")]
-        except ValueError:
-            raise UserError(f"--loss_weights {self.loss_weights!r}: expected comma-separated numbers") from None
-        if len(weights) != len(types):
-            raise UserError(f"--loss_weights {self.loss_weights}: {len(weights)} weight(s) for {len(types)} loss "
-                            f"type(s) ({self.loss_type})")
-        eps = self.label_smoothing
-        if eps and not {"sigmoid", "robust", "exo_pair"} & set(types):
-            raise UserError(f"--label_smoothing {eps}: only sigmoid, robust and exo_pair use it, not {self.loss_type}")
-        if not 0 <= eps < 1 or ("robust" in types and eps >= 0.5) or ("exo_pair" in types and eps <= 0):
-            raise UserError(f"--label_smoothing {eps}: use [0, 1) (robust: [0, 0.5); exo_pair: (0, 1))")
-        if self.discopop_tau <= 0:
-            raise UserError(f"--discopop_tau {self.discopop_tau}: use > 0")
-        if self.f_divergence_type != "reverse_kl" and not set(types) <= set(F_DIVERGENCE_LOSS_TYPES):
-            raise UserError(f"--f_divergence_type {self.f_divergence_type} applies to --loss_type "
-                            f"{', '.join(F_DIVERGENCE_LOSS_TYPES)}, not {self.loss_type}")
-        return list(zip(types, weights))
+            return dpo_loss_terms(self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau,
+                                  self.f_divergence_type)
+        except ValueError as e:
+            raise UserError(f"--{e}") from None
 
     def check(self, world: int) -> None:
         """One-line UserErrors for the loss flags (after parsing)."""
-        types = dict(self.losses())
-        if "discopop" in types and self.discopop_tau < 0.103:
+        if "discopop" in dict(self.losses()) and self.discopop_tau < 0.103:
             # d loss / d(beta h) at h = 0 is (1 - ln 2) / (4 tau) - 3/4: above 0 for tau < 0.1023
             logger.warning("--loss_type discopop with --discopop_tau %s < 0.103 rises at zero margin: a policy that "
                            "starts as its reference is first pushed toward the rejected completions "

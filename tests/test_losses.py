@@ -159,3 +159,16 @@ def test_gradient_direction():
     dpo_loss(pc, PR, RC, RR, beta=0.1).sum().backward()
     expected = -0.1 * torch.sigmoid(torch.tensor(-0.15)).item()
     assert pc.grad.item() == pytest.approx(expected, abs=1e-7)
+
+
+def test_dpo_loss_terms_parse_the_flags():
+    """`--loss_type sigmoid,sft --loss_weights 1,0.2` (RPO) -> the weighted terms: 0.620957 + 0.2 * 2.5 = 1.120957."""
+    from verl_kit.algos import dpo_loss_terms
+
+    terms = dpo_loss_terms("sigmoid, sft", "1,0.2")
+    assert terms == [("sigmoid", 1.0), ("sft", 0.2)]
+    total = sum(w * dpo_loss(PC, PR, RC, RR, 0.1, t, chosen_lengths=LC, rejected_lengths=LR) for t, w in terms)
+    assert total.item() == pytest.approx(1.120957, abs=1e-6)
+    assert dpo_loss_terms("ipo") == [("ipo", 1.0)]
+    with pytest.raises(ValueError, match="^loss_weights 1,2,3: 3 weight"):
+        dpo_loss_terms("sigmoid,sft", "1,2,3")

@@ -39,6 +39,7 @@ from verl_kit.algos.preference import (
     bradley_terry_loss,
     dpo_logits,
     dpo_loss,
+    dpo_loss_terms,
     f_divergence_score,
     implicit_rewards,
     kl_reference_point,

@@ -41,6 +41,37 @@ def f_divergence_score(log_ratio: torch.Tensor, f_divergence_type: str = "revers
                      f"{', '.join(F_DIVERGENCES)}")
 
 
+def dpo_loss_terms(loss_type: str, loss_weights: str | None = None, label_smoothing: float = 0.0,
+                   discopop_tau: float = 0.05, f_divergence_type: str = "reverse_kl") -> list[tuple[str, float]]:
+    """TRL's `loss_type` and `loss_weights` as the recipe's flags give them (comma-separated strings) -> the
+    (loss type, weight) pairs whose weighted sum is the loss, after checking every value that goes with them: a
+    ValueError that starts with the flag's name otherwise."""
+    types = [t.strip() for t in loss_type.split(",")]
+    for t in types:
+        if t not in DPO_LOSS_TYPES:
+            raise ValueError(f"loss_type: {t!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
+    try:
+        weights = [1.0] * len(types) if loss_weights is None else [float(w) for w in str(loss_weights).split(",")]
+    except ValueError:
+        raise ValueError(f"loss_weights {loss_weights!r}: expected comma-separated numbers") from None
+    if len(weights) != len(types):
+        raise ValueError(f"loss_weights {loss_weights}: {len(weights)} weight(s) for {len(types)} loss type(s) "
+                         f"({loss_type})")
+    eps = label_smoothing
+    if eps and not {"sigmoid", "robust", "exo_pair"} & set(types):
+        raise ValueError(f"label_smoothing {eps}: only sigmoid, robust and exo_pair use it, not {loss_type}")
+    if not 0 <= eps < 1 or ("robust" in types and eps >= 0.5) or ("exo_pair" in types and eps <= 0):
+        raise ValueError(f"label_smoothing {eps}: use [0, 1) (robust: [0, 0.5); exo_pair: (0, 1))")
+    if discopop_tau <= 0:
+        raise ValueError(f"discopop_tau {discopop_tau}: use > 0")
+    if f_divergence_type not in F_DIVERGENCES:
+        raise ValueError(f"f_divergence_type: {f_divergence_type!r} is not one of {', '.join(F_DIVERGENCES)}")
+    if f_divergence_type != "reverse_kl" and not set(types) <= set(F_DIVERGENCE_LOSS_TYPES):
+        raise ValueError(f"f_divergence_type {f_divergence_type} applies to --loss_type "
+                         f"{', '.join(F_DIVERGENCE_LOSS_TYPES)}, not {loss_type}")
+    return list(zip(types, weights))
+
+
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
              chosen_lengths: torch.Tensor | None = None, rejected_lengths: torch.Tensor | None = None,
