@@ -45,7 +45,6 @@ from verl_kit.data import logprobs_from_logits
 from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger, Timer, logger
 from verl_kit.models import (
-    check_shared_tokenizer,
     export_hf,
     load_causal_lm,
     load_tokenizer,
@@ -61,7 +60,7 @@ from verl_kit.train import (
     actor_logits,
     derived_seed,
     destroy,
-    frozen,
+    load_teacher,
     make_accelerator,
     micro_batches,
     minibatches,
@@ -127,18 +126,15 @@ def main():
 
     # ---- data, student, teacher, rewards -------------------------------------------------------------------------
     model_path = resolve_model_path(cfg.model_name_or_path)
-    teacher_path = resolve_model_path(cfg.teacher_model_name_or_path)
     tokenizer = load_tokenizer(model_path)
-    # the teacher scores the student's token ids: one vocabulary, one chat template (one line otherwise)
-    check_shared_tokenizer(tokenizer, load_tokenizer(teacher_path),
-                           f"--teacher_model_name_or_path {cfg.teacher_model_name_or_path}")
     train, test = load_prompt_splits(cfg, tokenizer)
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train.ids)
                                                                       / cfg.prompts_per_step)
     attn = cfg.attn_implementation
     actor = Trainable(accelerator, with_lora(load_causal_lm(model_path, attn, cfg.gradient_checkpointing), cfg), cfg,
                       cfg.learning_rate, total_steps)
-    teacher = frozen(accelerator, lambda: load_causal_lm(teacher_path, attn))  # ZeRO-3: sharded like a reference
+    # frozen, ZeRO-3 sharded like a reference; its tokenizer checked to be the student's (one line otherwise)
+    teacher = load_teacher(accelerator, cfg.teacher_model_name_or_path, tokenizer, attn)
     widths = (actor.unwrapped().config.vocab_size, getattr(teacher, "module", teacher).config.vocab_size)
     if cfg.loss_type == "jsd" and widths[0] != widths[1]:
         raise UserError(f"--loss_type jsd compares whole distributions: the student has {widths[0]} logits and the "

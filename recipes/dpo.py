@@ -95,12 +95,12 @@ class DPOConfig(OfflineConfig):
                            "(docs/algorithms.md)", self.discopop_tau)
 
 
-def pair_loss(pol, ref, lengths, cfg):
+def pair_loss(pol, ref, lengths, terms, cfg):
     """Per-pair loss (B,) from policy and reference log-probs summed over each completion and the completions'
-    lengths, all (B, 2) as (chosen, rejected): the --loss_type terms weighted by --loss_weights."""
+    lengths, all (B, 2) as (chosen, rejected): the (loss type, weight) `terms` of cfg.losses(), weighted."""
     return sum(w * dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], cfg.beta, loss_type, cfg.label_smoothing,
                             lengths[:, 0], lengths[:, 1], cfg.discopop_tau, cfg.f_divergence_type,
-                            cfg.f_alpha_divergence_coef) for loss_type, w in cfg.losses())
+                            cfg.f_alpha_divergence_coef) for loss_type, w in terms)
 
 
 @main_guard
@@ -109,6 +109,7 @@ def main():
     accelerator = make_accelerator(cfg)
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     cfg.check(world)
+    terms = cfg.losses()  # (--loss_type, weight) pairs
 
     # ---- data and models -----------------------------------------------------------------------------------------
     model_path = resolve_model_path(cfg.model_name_or_path)
@@ -139,7 +140,7 @@ def main():
         logps = score_items(accelerator, policy.model, items(test), cfg, pad, block_mask, "eval")
         rewards = implicit_rewards(logps, ref_test, cfg.beta)
         acc = (rewards[:, 0] > rewards[:, 1]).float().mean().item()
-        loss = pair_loss(logps, ref_test, lengths(test), cfg)
+        loss = pair_loss(logps, ref_test, lengths(test), terms, cfg)
         log.log(step, {"eval/loss": loss.mean().item(), "eval/rewards/accuracy": acc,
                        "eval/rewards/margin": (rewards[:, 0] - rewards[:, 1]).mean().item()})
 
@@ -165,7 +166,7 @@ def main():
             batch = make_batch(items(exs), cfg, pad, block_mask).to(device)
             logps = sequence_logprobs(forward_logits(policy.model, batch), batch).view(-1, 2)
             ref = ref_train[chunk].to(device)
-            losses = pair_loss(logps, ref, lengths(exs).to(device), cfg)
+            losses = pair_loss(logps, ref, lengths(exs).to(device), terms, cfg)
             # Mean over the pairs of the global step. DDP and DeepSpeed average gradients over ranks, so the rank's
             # sum is scaled by world / per_step; the result does not depend on how pairs are split.
             policy.backward(global_mean_share(losses, per_step, world))

@@ -42,4 +42,4 @@ from verl_kit.train.distributed import (
     zero_stage,
 )
 from verl_kit.train.scoring import Sequences, completion_sequences, make_batch, score_items, score_subset
-from verl_kit.train.trainable import Trainable, frozen
+from verl_kit.train.trainable import Trainable, frozen, load_teacher

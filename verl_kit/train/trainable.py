@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from verl_kit.config import TrainConfig
+from verl_kit.models.loading import check_shared_tokenizer, load_causal_lm, load_tokenizer, resolve_model_path
 from verl_kit.train.distributed import zero_stage
 
 
@@ -107,3 +108,12 @@ def frozen(accelerator, loader):
         engine.eval()  # DeepSpeedEngine.eval() returns None
         return engine
     return loader().to(accelerator.device).requires_grad_(False).eval()
+
+
+def load_teacher(accelerator, spec: str, tokenizer, attn_implementation: str | None = None):
+    """The frozen teacher named by `--teacher_model_name_or_path spec`, placed as `frozen` places it, once its
+    tokenizer is checked to be the student's `tokenizer` (the teacher scores the student's token ids: one vocabulary,
+    one chat template; models.check_shared_tokenizer's one-line UserError otherwise)."""
+    path = resolve_model_path(spec)
+    check_shared_tokenizer(tokenizer, load_tokenizer(path), f"--teacher_model_name_or_path {spec}")
+    return frozen(accelerator, lambda: load_causal_lm(path, attn_implementation))
