@@ -153,7 +153,8 @@ cluster-down: install
 #   make vllm-serve MODEL=tiny-llama                       OpenAI-compatible server on http://127.0.0.1:8000
 #   make vllm-serve MODEL=/path/to/model VLLM_PORT=8001 VLLM_ARGS='--dtype bfloat16 --gpu-memory-utilization 0.9'
 # then: python recipes/ppo.py --rollout vllm-server --vllm_server_url http://127.0.0.1:8000
-# Bound to 127.0.0.1, with the dev endpoints and worker extension the weight sync uses (verl_kit/weight_sync.py).
+# Bound to 127.0.0.1, with the dev endpoints and worker extension the weight sync uses
+# (verl_kit/rollout/worker_extension.py).
 MODEL ?= tiny-llama
 VLLM_PORT ?= 8000
 VLLM_ARGS ?=

@@ -38,7 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from verl_kit.algos import dpo_loss, group_advantages, policy_loss, value_loss  # noqa: E402
+from verl_kit.algos import clipped_surrogate, dpo_loss, group_advantages, value_loss  # noqa: E402
 from verl_kit.data.packing import forward_logits, layout, split_by_tokens, token_logprobs  # noqa: E402
 
 DRY = os.environ.get("GPU_CHECK_DRY_RUN", "0") == "1"
@@ -220,7 +220,7 @@ def run_recipe(check: Check, name: str, cfg: dict, device) -> dict:
                 loss = loss / (rows // 2)
             else:
                 a, sc = adv[c].to(device), scores[c].to(device)
-                loss = policy_loss(logps, logps.detach(), a[index], 0.2).sum()
+                loss = clipped_surrogate(logps - logps.detach(), a[index], 0.2).sum()
                 if critic is not None:
                     with autocast(device):
                         hidden = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask,

@@ -21,56 +21,23 @@ A task reward (--reward_fn) is logged, evaluated held out (its accuracy where th
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from verl_kit.algos import (
-    clipped_surrogate,
-    entropy_from_logits,
-    generalized_jsd,
-    global_mean_share,
-    group_advantages,
-    reverse_kl_advantages,
-    reweight,
-    step_metrics,
-    surrogate_clipped,
-)
-from verl_kit.config import OnlineConfig, parse_args
-from verl_kit.data import logprobs_from_logits
+from verl_kit import algos, config, models, rewards, rollout, train
 from verl_kit.errors import UserError, main_guard
-from verl_kit.metrics import MetricsLogger, Timer, logger
-from verl_kit.models import (
-    export_hf,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_model_path,
-    with_lora,
-)
-from verl_kit.rewards import make_rewards
-from verl_kit.rollout import load_prompt_splits, rollout_metrics, sample_rows, start_rollouts
-from verl_kit.train import (
-    ResponsePacker,
-    Tally,
-    Trainable,
-    actor_logits,
-    derived_seed,
-    destroy,
-    load_teacher,
-    make_accelerator,
-    micro_batches,
-    minibatches,
-    reduce_metrics,
-    save_if_due,
-)
+from verl_kit.metrics import MetricsLogger, Timer
 
 
 @dataclass
-class DistillConfig(OnlineConfig):
+class DistillConfig(config.Config):
+    """Distillation's own knobs: the teacher, the loss, the task reward's weight; the rest of its flags are the
+    online roles (no environments: the teacher scores single-turn samples)."""
+
     CHOICES: ClassVar[dict] = {"loss_type": ("reverse_kl", "jsd")}
 
     teacher_model_name_or_path: str | None = field(default=None, metadata={
@@ -90,21 +57,30 @@ class DistillConfig(OnlineConfig):
         "help": "weight of the task reward (--reward_fn; centred on its prompt's mean) added to every token's "
                 "advantage (--loss_type reverse_kl); 0: the reward is only logged and evaluated"})
 
-    @property
-    def has_reward(self) -> bool:
-        return bool(self.reward_model_name_or_path) or any(
-            s.strip() not in ("", "none") for s in (self.reward_fn or "").split(","))
-
-    def check(self, world: int) -> None:
-        super().check(world)
+    def __post_init__(self):
+        super().__post_init__()
         if not self.teacher_model_name_or_path:
             raise UserError("--teacher_model_name_or_path is required: the frozen model the student learns from")
         if not 0.0 <= self.beta <= 1.0:
             raise UserError(f"--beta {self.beta}: the JSD interpolation coefficient must be in [0, 1]")
-        mixable = self.loss_type == "reverse_kl" and self.num_generations >= 2 and self.has_reward
+        self.at_least(1, "num_generations", "num_iterations", "num_mini_batches")
+        if self.loss_type == "reverse_kl" and self.beta != 1.0:
+            config.warn(f"--beta {self.beta} has no effect with --loss_type reverse_kl")
+
+    def check_with(self, cfg: config.Args) -> None:
+        mixable = self.loss_type == "reverse_kl" and self.num_generations >= 2 and cfg.rewards.any
         if self.task_reward_coef and not mixable:
             raise UserError(f"--task_reward_coef {self.task_reward_coef} needs --loss_type reverse_kl, "
                             "--num_generations >= 2 and a --reward_fn (or --reward_model_name_or_path)")
+
+    @property
+    def one_update(self) -> bool:
+        """One optimizer step per rollout: the old log-probs are the update's own forward, detached."""
+        return self.num_iterations * self.num_mini_batches == 1
+
+
+ARGS = {"distill": DistillConfig, "train": config.TrainConfig, "rollout": config.RolloutConfig,
+        "vllm": config.VLLMConfig, "rewards": config.RewardConfig, "ratio": config.RatioConfig}
 
 
 def teacher_view(disagreement: torch.Tensor, response_ids: torch.Tensor, n: int, tokenizer) -> dict:
@@ -116,50 +92,49 @@ def teacher_view(disagreement: torch.Tensor, response_ids: torch.Tensor, n: int,
 
 @main_guard
 def main():
-    cfg = parse_args(DistillConfig)
-    accelerator = make_accelerator(cfg)
+    cfg = config.parse(**ARGS)
+    dist, flags = cfg.distill, cfg.flags()
+    accelerator = train.make_accelerator(cfg.train)
     world, device = accelerator.num_processes, accelerator.device
-    cfg.check(world)
-    one_update = cfg.num_iterations * cfg.num_mini_batches == 1  # then old log-probs = this forward's, detached
-    if accelerator.is_main_process and cfg.loss_type == "reverse_kl" and cfg.beta != 1.0:
-        logger.warning("--beta %s has no effect with --loss_type reverse_kl", cfg.beta)
+    correct = cfg.ratio.importance_sampling(cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
 
     # ---- data, student, teacher, rewards -------------------------------------------------------------------------
-    model_path = resolve_model_path(cfg.model_name_or_path)
-    tokenizer = load_tokenizer(model_path)
-    train, test = load_prompt_splits(cfg, tokenizer)
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train.ids)
-                                                                      / cfg.prompts_per_step)
-    attn = cfg.attn_implementation
-    actor = Trainable(accelerator, with_lora(load_causal_lm(model_path, attn, cfg.gradient_checkpointing), cfg), cfg,
-                      cfg.learning_rate, total_steps)
+    model_path = models.resolve_model_path(cfg.train.model_name_or_path)
+    tokenizer = models.load_tokenizer(model_path)
+    prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
+    total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
+    attn = cfg.train.attn_implementation
+    student = models.with_lora(models.load_causal_lm(model_path, attn, cfg.train.gradient_checkpointing), cfg.train)
+    actor = train.Trainable(accelerator, student, cfg.train, cfg.train.learning_rate, total_steps)
     # frozen, ZeRO-3 sharded like a reference; its tokenizer checked to be the student's (one line otherwise)
-    teacher = load_teacher(accelerator, cfg.teacher_model_name_or_path, tokenizer, attn)
+    teacher = train.load_teacher(accelerator, dist.teacher_model_name_or_path, tokenizer, attn)
     widths = (actor.unwrapped().config.vocab_size, getattr(teacher, "module", teacher).config.vocab_size)
-    if cfg.loss_type == "jsd" and widths[0] != widths[1]:
+    if dist.loss_type == "jsd" and widths[0] != widths[1]:
         raise UserError(f"--loss_type jsd compares whole distributions: the student has {widths[0]} logits and the "
                         f"teacher {widths[1]}; use --loss_type reverse_kl (sampled tokens only)")
-    packed = ResponsePacker(cfg, tokenizer.pad_token_id, actor.unwrapped())
-    reward = make_rewards(cfg, accelerator, tokenizer) if cfg.has_reward else None
-    rollouts, start = start_rollouts(cfg, accelerator, actor.unwrapped(), model_path, tokenizer, train.ids,
-                                     total_steps)
-    log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
+    packed = train.ResponsePacker(cfg.train, tokenizer.pad_token_id, actor.unwrapped(), cfg.rollout.temperature)
+    reward = (rewards.make_rewards(cfg.rewards, accelerator, tokenizer, cfg.train.max_length,
+                                   cfg.train.per_device_eval_batch_size) if cfg.rewards.any else None)
+    rollouts = rollout.make_rollouts(cfg.rollout, cfg.vllm, None, cfg.train, accelerator, actor.unwrapped(),
+                                     model_path, tokenizer, prompts, total_steps, dist.num_generations)
+    start = train.resume(accelerator, cfg.train, flags, per_rank=rollouts)  # 0 unless --resume_from_checkpoint
+    rollouts.load_weights(actor.unwrapped(), version=start)  # the engine samples from the (restored) student
+    log = MetricsLogger(accelerator, cfg.train.output_dir, total_steps, start, flags, cfg.train.run_name)
 
     def evaluate() -> dict:
         """Held out: the task reward (its accuracy where the task has an answer) and the per-token reverse KL
         log p - log q of the student's sampled tokens, total over total tokens (eval/teacher_kl)."""
         def kl_sum(rows, ro):  # (B,) sum over each response's tokens; every process calls it alike (ZeRO-3)
-            costs = ro.costs
-            chunks = micro_batches(cfg, list(range(len(costs))), costs)
+            chunks = train.micro_batches(cfg.train, list(range(len(ro.costs))), ro.costs)
             diff = packed.logprobs(actor.model, ro, chunks, device) - packed.logprobs(teacher, ro, chunks, device)
             return (diff * ro.response_mask).sum(-1)
-        score = reward.of_rollout if reward else lambda rows, ro: torch.zeros(len(rows))
-        m = rollouts.evaluate(accelerator, test, score, cfg.prompts_per_step // world, extra=lambda r, ro: {
-            "teacher_kl_sum": kl_sum(r, ro)})
+        score = reward.of_rollout if reward else lambda rows, ro: rollout.Scores(torch.zeros(len(rows)))
+        m = rollouts.evaluate(accelerator, held_out, score, cfg.rollout.prompts_per_step // world,
+                              extra=lambda r, ro: {"teacher_kl_sum": kl_sum(r, ro)})
         m["eval/teacher_kl"] = m.pop("eval/teacher_kl_sum") / max(m["eval/response_length"], 1e-8)
         return m if reward else {k: v for k, v in m.items() if not k.startswith(("eval/reward", "eval/pass@"))}
 
-    if start == 0 and test.ids:
+    if start == 0 and held_out.ids:
         log.log(0, evaluate())
 
     # ---- training loop -------------------------------------------------------------------------------------------
@@ -171,64 +146,58 @@ def main():
         mask, B = ro.response_mask, ro.response_mask.shape[0]
         lengths = mask.sum(-1)
         costs = ro.costs  # tokens of each row's forward pass
-        rows = [train.rows[i] for i in ro.prompt_index]
+        rows = [prompts.rows[i] for i in ro.prompt_index]
 
         # 2. the task reward (logged; with --task_reward_coef centred per prompt and added to each token's advantage)
         with timer("reward"):
-            scores = reward.of_rollout(rows, ro) if reward else torch.zeros(B)
-            task_adv = (cfg.task_reward_coef * group_advantages(scores, cfg.num_generations, False)
-                        if cfg.task_reward_coef else torch.zeros(B))
+            scored = reward.of_rollout(rows, ro) if reward else rollout.Scores(torch.zeros(B))
+            scores = scored.total
+            task_adv = (dist.task_reward_coef * algos.group_advantages(scores, dist.num_generations, False)
+                        if dist.task_reward_coef else torch.zeros(B))
 
         # 3. the teacher's log-prob of every sampled token (reverse_kl; jsd needs its logits, in the update below)
         #    and, with several updates per rollout, the student's old log-probs
         student_lp = torch.zeros(mask.shape)  # the student before this step's update, for metrics and samples
         with timer("teacher"):
-            chunks = micro_batches(cfg, list(range(B)), costs)
-            teacher_lp = (packed.logprobs(teacher, ro, chunks, device) if cfg.loss_type == "reverse_kl"
+            chunks = train.micro_batches(cfg.train, list(range(B)), costs)
+            teacher_lp = (packed.logprobs(teacher, ro, chunks, device) if dist.loss_type == "reverse_kl"
                           else torch.zeros(mask.shape))
-            old_logprobs = None if one_update else (
-                ro.sampling_logprobs if cfg.old_logprobs == "rollout"
+            old_logprobs = None if dist.one_update else (
+                ro.sampling_logprobs if cfg.ratio.old_logprobs == "rollout"
                 else packed.logprobs(actor.model, ro, chunks, device))
 
         # 4. updates: num_iterations passes over the batch, num_mini_batches optimizer steps each, token mean
-        tally, grad_norms = Tally(), []
-        for it in range(cfg.num_iterations):
-            mbs = minibatches(B, cfg.num_mini_batches, derived_seed(cfg.seed, step, it))
-            for j, mb in enumerate(mbs):
-                mb_chunks = micro_batches(cfg, mb, [costs[i] for i in mb])
-                n_tok = reduce_metrics({"n": lengths[mb].sum()})["n"]  # minibatch tokens, all ranks
-                with timer("update_actor"):
-                    for chunk in actor.accumulate(mb_chunks):
-                        batch, ix = packed(ro, chunk)
-                        batch = batch.to(device)
-                        logits = actor_logits(actor.model, batch, ix, cfg.temperature)
-                        logprobs = logprobs_from_logits(logits, ix.targets.to(device))
-                        old = logprobs.detach() if one_update else old_logprobs[ix.row, ix.pos].to(device)
-                        if cfg.loss_type == "jsd":  # the teacher's whole distribution at each sampled position
-                            with torch.no_grad():
-                                t_logits = actor_logits(teacher, batch, ix, cfg.temperature)
-                            t_lp = logprobs_from_logits(t_logits, ix.targets.to(device))
-                            loss = generalized_jsd(logits, t_logits, cfg.beta)
-                            clipped = torch.zeros_like(loss)
-                            if it == 0:
-                                teacher_lp[ix.row, ix.pos] = t_lp.cpu()
-                        else:
-                            t_lp = teacher_lp[ix.row, ix.pos].to(device)
-                            adv = reverse_kl_advantages(old, t_lp) + task_adv[ix.row].to(device)
-                            loss = clipped_surrogate(logprobs - old, adv, cfg.cliprange, cfg.epsilon_high)
-                            clipped = surrogate_clipped(logprobs - old, adv, cfg.cliprange, cfg.epsilon_high)
-                        # the engine sampled from mu, not pi_old: importance weights (verl_kit.algos.off_policy)
-                        loss = reweight(cfg, loss, old, ro.sampling_logprobs[ix.row, ix.pos].to(device),
-                                        ix.row.to(device), B, tally if it == 0 else None)
-                        actor.backward(global_mean_share(loss, n_tok, world))
-                        with torch.no_grad():
-                            tally.add(tokens=len(loss), loss=loss, pg_clipfrac=clipped,
-                                      approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy_from_logits(logits))
-                            if it == 0:  # the per-token reverse KL of the samples, before this step's update
-                                tally.add(teacher_kl=old - t_lp, kl_tokens=len(loss))
-                                student_lp[ix.row, ix.pos] = old.float().cpu()
-                    last_update = it == cfg.num_iterations - 1 and j == len(mbs) - 1  # LR schedule: once per step
-                    grad_norms.append(actor.step(schedule=last_update))
+        tally, grad_norms = train.Tally(), []
+        for update in train.updates(cfg.train, step, costs, dist.num_iterations, dist.num_mini_batches):
+            n_tok = train.reduce_metrics({"n": lengths[update.rows].sum()})["n"]  # minibatch tokens, all ranks
+            first = update.epoch == 0  # the first pass over the batch: the samples' reverse KL, before any update
+            with timer("update_actor"):
+                for chunk in actor.accumulate(update.chunks):
+                    logits, logprobs, ix = packed.forward(actor.model, ro, chunk, device)
+                    old = logprobs.detach() if dist.one_update else ix.gather(old_logprobs, device)
+                    if dist.loss_type == "jsd":  # the teacher's whole distribution at each sampled position
+                        t_logits, t_lp, _ = packed.forward(teacher, ro, chunk, device)  # frozen: no graph
+                        loss, clipped = algos.generalized_jsd(logits, t_logits, dist.beta), torch.zeros_like(old)
+                    else:
+                        t_lp = ix.gather(teacher_lp, device)
+                        adv = algos.reverse_kl_advantages(old, t_lp) + ix.gather(task_adv, device)
+                        loss = algos.clipped_surrogate(logprobs - old, adv, cfg.ratio.cliprange, cfg.ratio.epsilon_high)
+                        clipped = algos.clipped_tokens(logprobs - old, adv, cfg.ratio.cliprange,
+                                                       cfg.ratio.epsilon_high)
+                    # the engine sampled from mu, not pi_old: importance weights (algos.off_policy), measured once
+                    is_terms = (old, ix.gather(ro.sampling_logprobs, device), ix.row.to(device), B)
+                    if correct and first:
+                        tally.add(**algos.mismatch_metrics(*is_terms, **cfg.ratio.importance_sampling_args()))
+                    if correct:
+                        loss = loss * algos.importance_weights(*is_terms, **cfg.ratio.importance_sampling_args())
+                    actor.backward(algos.global_mean_share(loss, n_tok, world))
+                    with torch.no_grad():
+                        tally.add(tokens=len(loss), loss=loss, pg_clipfrac=clipped,
+                                  approx_kl=0.5 * (logprobs - old) ** 2, entropy=algos.entropy_from_logits(logits))
+                    if first:  # the per-token reverse KL of the samples, before this step's update
+                        tally.add(teacher_kl=old - t_lp, kl_tokens=len(loss))
+                        student_lp[ix.row, ix.pos], teacher_lp[ix.row, ix.pos] = old.float().cpu(), t_lp.cpu()
+                grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
 
         # 5. weight sync: the rollout engine generates with the updated student from the next step on
         sync_metrics = rollouts.load_weights(actor.unwrapped(), version=step + 1)
@@ -236,28 +205,28 @@ def main():
         # ---- metrics, samples, checkpoint ----------------------------------------------------------------------
         t = tally.reduce()
         timer.seconds["timing_s/step"] = time.time() - t_step
-        metrics = {**rollout_metrics(ro, scores, timer.seconds["timing_s/step"]),
+        metrics = {**rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"]),
                    "teacher_kl": t["teacher_kl"] / t["kl_tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("loss", "pg_clipfrac", "approx_kl", "entropy")},
                    "grad_norm": sum(grad_norms) / len(grad_norms), "learning_rate": actor.learning_rate,
-                   "rollout/staleness": staleness, **step_metrics(t), **timer.seconds, **sync_metrics}
+                   "rollout/staleness": staleness, **algos.step_metrics(t), **timer.seconds, **sync_metrics}
         if not reward:
             metrics = {k: v for k, v in metrics.items() if not k.startswith("reward/")}
         log.advance(teacher_kl=metrics["teacher_kl"])
-        do_eval = test.ids and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)
+        do_eval = held_out.ids and ((step + 1) % cfg.train.eval_steps == 0 or step + 1 == total_steps)
         if do_eval:
             metrics.update(evaluate())
-        if (step + 1) % cfg.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
+        if (step + 1) % cfg.train.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
             log.log(step + 1, metrics)
             disagreement = (student_lp - teacher_lp) * mask  # log p - log q of each sampled token
             views = [teacher_view(disagreement[i], ro.response_ids[i], int(lengths[i]), tokenizer) for i in range(B)]
-            log.log_samples(sample_rows(step + 1, rows, ro, scores, tokenizer, extra=views))
-        save_if_due(accelerator, cfg, step + 1, per_rank=rollouts)
+            log.log_samples(rollout.sample_rows(step + 1, rows, ro, scores, tokenizer, extra=views))
+        train.save_if_due(accelerator, cfg.train, step + 1, flags, per_rank=rollouts)
 
     rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
-    export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.output_dir, "final"))
+    models.export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.train.output_dir, "final"))
     log.close(["teacher_kl", "eval/teacher_kl", "eval/reward_mean", "actor/entropy", "response_length/mean"])
-    destroy()
+    train.destroy()
 
 
 if __name__ == "__main__":

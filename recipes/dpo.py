@@ -12,58 +12,29 @@ resume, before the checkpoint is loaded), so no second model sits in memory besi
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
-import logging
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from verl_kit.algos import (
-    DPO_LOSS_TYPES,
-    F_DIVERGENCE_LOSS_TYPES,
-    F_DIVERGENCES,
-    dpo_loss,
-    dpo_loss_terms,
-    global_mean_share,
-    implicit_rewards,
-)
-from verl_kit.config import OfflineConfig, parse_args
-from verl_kit.data import forward_logits, load_splits, preference_examples, sequence_logprobs
+from verl_kit import algos, config, data, models, train
 from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger
-from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask, with_lora
-from verl_kit.train import (
-    Tally,
-    Trainable,
-    completion_sequences,
-    destroy,
-    make_accelerator,
-    make_batch,
-    micro_batches,
-    param_counts,
-    resume,
-    save_if_due,
-    score_items,
-    score_subset,
-    step_indices,
-    steps_indices,
-)
-
-logger = logging.getLogger("verl_kit")
 
 
 @dataclass
-class DPOConfig(OfflineConfig):
-    CHOICES: ClassVar[dict] = {"f_divergence_type": F_DIVERGENCES}
+class DPOConfig(config.Config):
+    """DPO's own knobs: the loss and its temperature; the rest of its flags are config.OfflineConfig's."""
+
+    CHOICES: ClassVar[dict] = {"f_divergence_type": algos.F_DIVERGENCES}
 
     beta: float = field(default=0.1, metadata={
         "help": "temperature of the implicit reward beta * log(pi / pi_ref): higher keeps the policy nearer the "
                 "reference (for IPO, the inverse of the target margin)"})
     loss_type: str = field(default="sigmoid", metadata={
-        "help": f"TRL's names: {', '.join(DPO_LOSS_TYPES)} (docs/algorithms.md); several, comma-separated, are "
+        "help": f"TRL's names: {', '.join(algos.DPO_LOSS_TYPES)} (docs/algorithms.md); several, comma-separated, are "
                 "added with --loss_weights (TRL's MPO; sigmoid,sft is RPO)"})
     loss_weights: str | None = field(default=None, metadata={
         "help": "comma-separated weights, one per --loss_type; unset: 1 each"})
@@ -74,81 +45,86 @@ class DPOConfig(OfflineConfig):
     f_divergence_type: str = field(default="reverse_kl", metadata={
         "help": "f-DPO's divergence to the reference (TRL's): reverse_kl is DPO; the others replace each log-ratio "
                 "by f'(pi/ref), for --loss_type "
-                f"{', '.join(F_DIVERGENCE_LOSS_TYPES)}"})
+                f"{', '.join(algos.F_DIVERGENCE_LOSS_TYPES)}"})
     f_alpha_divergence_coef: float = field(default=0.5, metadata={
         "help": "alpha of --f_divergence_type alpha_divergence (1: reverse_kl)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if "discopop" in dict(self.losses()) and self.discopop_tau < 0.103:
+            # d loss / d(beta h) at h = 0 is (1 - ln 2) / (4 tau) - 3/4: above 0 for tau < 0.1023
+            config.warn(f"--loss_type discopop with --discopop_tau {self.discopop_tau} < 0.103 rises at zero margin: "
+                        "a policy that starts as its reference is first pushed toward the rejected completions "
+                        "(docs/algorithms.md)")
 
     def losses(self) -> list[tuple[str, float]]:
         """(loss type, weight) pairs from --loss_type and --loss_weights; a one-line UserError for a bad value."""
         try:
-            return dpo_loss_terms(self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau,
-                                  self.f_divergence_type)
+            return algos.dpo_loss_terms(self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau,
+                                        self.f_divergence_type)
         except ValueError as e:
             raise UserError(f"--{e}") from None
 
-    def check(self, world: int) -> None:
-        """One-line UserErrors for the loss flags (after parsing)."""
-        if "discopop" in dict(self.losses()) and self.discopop_tau < 0.103:
-            # d loss / d(beta h) at h = 0 is (1 - ln 2) / (4 tau) - 3/4: above 0 for tau < 0.1023
-            logger.warning("--loss_type discopop with --discopop_tau %s < 0.103 rises at zero margin: a policy that "
-                           "starts as its reference is first pushed toward the rejected completions "
-                           "(docs/algorithms.md)", self.discopop_tau)
+
+ARGS = {"dpo": DPOConfig, "train": config.OfflineConfig}  # the flags, by role: python recipes/dpo.py --help
 
 
-def pair_loss(pol, ref, lengths, terms, cfg):
+def pair_loss(pol, ref, lengths, terms, cfg: DPOConfig):
     """Per-pair loss (B,) from policy and reference log-probs summed over each completion and the completions'
     lengths, all (B, 2) as (chosen, rejected): the (loss type, weight) `terms` of cfg.losses(), weighted."""
-    return sum(w * dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], cfg.beta, loss_type, cfg.label_smoothing,
-                            lengths[:, 0], lengths[:, 1], cfg.discopop_tau, cfg.f_divergence_type,
-                            cfg.f_alpha_divergence_coef) for loss_type, w in terms)
+    return sum(w * algos.dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], cfg.beta, loss_type, cfg.label_smoothing,
+                                  lengths[:, 0], lengths[:, 1], cfg.discopop_tau, cfg.f_divergence_type,
+                                  cfg.f_alpha_divergence_coef) for loss_type, w in terms)
 
 
 @main_guard
 def main():
-    cfg = parse_args(DPOConfig)
-    accelerator = make_accelerator(cfg)
+    cfg = config.parse(**ARGS)
+    dpo, tc, flags = cfg.dpo, cfg.train, cfg.flags()
+    accelerator = train.make_accelerator(tc)
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-    cfg.check(world)
-    terms = cfg.losses()  # (--loss_type, weight) pairs
+    terms = dpo.losses()  # (--loss_type, weight) pairs
 
     # ---- data and models -----------------------------------------------------------------------------------------
-    model_path = resolve_model_path(cfg.model_name_or_path)
-    tokenizer = load_tokenizer(model_path)
+    model_path = models.resolve_model_path(tc.model_name_or_path)
+    tokenizer = models.load_tokenizer(model_path)
     pad = tokenizer.pad_token_id
-    train_ds, test_ds = load_splits(cfg)
-    train = preference_examples(train_ds, tokenizer, cfg.max_prompt_length, cfg.max_length, cfg.dataset_name)
-    test = preference_examples(test_ds, tokenizer, cfg.max_prompt_length, cfg.max_length,
-                               f"{cfg.dataset_name}[{cfg.dataset_test_split}]") if test_ds else []
-    items = lambda exs: [completion_sequences(e.prompt_ids, [e.chosen_ids, e.rejected_ids]) for e in exs]
+    train_ds, test_ds = data.load_splits(tc)
+    pairs = data.preference_examples(train_ds, tokenizer, tc.max_prompt_length, tc.max_length, tc.dataset_name)
+    test = data.preference_examples(test_ds, tokenizer, tc.max_prompt_length, tc.max_length,
+                                    f"{tc.dataset_name}[{tc.dataset_test_split}]") if test_ds else []
+    items = lambda exs: [train.completion_sequences(e.prompt_ids, [e.chosen_ids, e.rejected_ids]) for e in exs]
     lengths = lambda exs: torch.tensor([[len(e.chosen_ids), len(e.rejected_ids)] for e in exs], dtype=torch.float32)
 
-    model = with_lora(load_causal_lm(model_path, cfg.attn_implementation, cfg.gradient_checkpointing,
-                                     cfg.load_in_4bit), cfg)
-    block_mask = uses_block_mask(model)
-    per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world  # pairs per optimizer step
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train) / per_step)
-    policy = Trainable(accelerator, model, cfg, cfg.learning_rate, total_steps)
+    model = models.with_lora(models.load_causal_lm(model_path, tc.attn_implementation, tc.gradient_checkpointing,
+                                                   tc.load_in_4bit), tc)
+    block_mask = models.uses_block_mask(model)
+    per_step = tc.per_device_train_batch_size * tc.gradient_accumulation_steps * world  # pairs per optimizer step
+    total_steps = tc.total_steps(len(pairs), per_step)
+    policy = train.Trainable(accelerator, model, tc, tc.learning_rate, total_steps)
 
     # ---- reference log-probs: the initial policy, scored before any update, for the pairs the run will read -------
     # (the pairs of every step from 0, also on resume: scored in the same batches, they are bit-identical)
-    needed = steps_indices(len(train), range(total_steps), per_step, cfg.seed)
-    ref_train = score_subset(accelerator, policy.model, items(train), needed, cfg, pad, block_mask, "reference train")
-    ref_test = score_items(accelerator, policy.model, items(test), cfg, pad, block_mask, "reference test") if test \
-        else None
+    needed = train.steps_indices(len(pairs), range(total_steps), per_step, tc.seed)
+    ref_train = train.score_subset(accelerator, policy.model, items(pairs), needed, tc, pad, block_mask,
+                                   "reference train")
+    ref_test = (train.score_items(accelerator, policy.model, items(test), tc, pad, block_mask, "reference test")
+                if test else None)
+
+    start = train.resume(accelerator, tc, flags)  # 0 unless --resume_from_checkpoint
+    log = MetricsLogger(accelerator, tc.output_dir, total_steps, start, flags, tc.run_name)
 
     def evaluate(step):
-        logps = score_items(accelerator, policy.model, items(test), cfg, pad, block_mask, "eval")
-        rewards = implicit_rewards(logps, ref_test, cfg.beta)
+        logps = train.score_items(accelerator, policy.model, items(test), tc, pad, block_mask, "eval")
+        rewards = algos.implicit_rewards(logps, ref_test, dpo.beta)
         acc = (rewards[:, 0] > rewards[:, 1]).float().mean().item()
-        loss = pair_loss(logps, ref_test, lengths(test), terms, cfg)
+        loss = pair_loss(logps, ref_test, lengths(test), terms, dpo)
         log.log(step, {"eval/loss": loss.mean().item(), "eval/rewards/accuracy": acc,
                        "eval/rewards/margin": (rewards[:, 0] - rewards[:, 1]).mean().item()})
 
-    start = resume(accelerator, cfg)
-    log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
     if start == 0:
-        local, total = param_counts(policy.model)
-        log.log(0, {"world_size": world, "params/total": total, "params/local": local, "pairs/train": len(train),
+        local, total = train.param_counts(policy.model)
+        log.log(0, {"world_size": world, "params/total": total, "params/local": local, "pairs/train": len(pairs),
                     "pairs/test": len(test)})
         if test:
             evaluate(0)
@@ -157,39 +133,38 @@ def main():
     policy.model.train()
     for step in range(start, total_steps):
         t0 = time.time()
-        idx = step_indices(len(train), step, per_step, cfg.seed, rank, world)
-        costs = [2 * len(train[i].prompt_ids) + len(train[i].chosen_ids) + len(train[i].rejected_ids) for i in idx]
-        chunks = micro_batches(cfg, idx, costs)
-        tally = Tally()
-        for chunk in policy.accumulate(chunks):
-            exs = [train[i] for i in chunk]
-            batch = make_batch(items(exs), cfg, pad, block_mask).to(device)
-            logps = sequence_logprobs(forward_logits(policy.model, batch), batch).view(-1, 2)
+        idx = train.step_indices(len(pairs), step, per_step, tc.seed, rank, world)
+        costs = [2 * len(pairs[i].prompt_ids) + len(pairs[i].chosen_ids) + len(pairs[i].rejected_ids) for i in idx]
+        tally = train.Tally()
+        for chunk in policy.accumulate(train.micro_batches(tc, idx, costs)):
+            exs = [pairs[i] for i in chunk]
+            batch = train.make_batch(items(exs), tc, pad, block_mask).to(device)
+            logps = data.sequence_logprobs(data.forward_logits(policy.model, batch), batch).view(-1, 2)
             ref = ref_train[chunk].to(device)
-            losses = pair_loss(logps, ref, lengths(exs).to(device), terms, cfg)
+            losses = pair_loss(logps, ref, lengths(exs).to(device), terms, dpo)
             # Mean over the pairs of the global step. DDP and DeepSpeed average gradients over ranks, so the rank's
             # sum is scaled by world / per_step; the result does not depend on how pairs are split.
-            policy.backward(global_mean_share(losses, per_step, world))
-            r = implicit_rewards(logps, ref, cfg.beta).detach()
+            policy.backward(algos.global_mean_share(losses, per_step, world))
+            r = algos.implicit_rewards(logps, ref, dpo.beta).detach()
             tally.add(loss=losses.detach(), correct=r[:, 0] > r[:, 1], margin=r[:, 0] - r[:, 1], chosen=r[:, 0],
                       rejected=r[:, 1], tokens=batch.num_tokens)
         grad_norm = policy.step()
         t = tally.reduce()
         dt = time.time() - t0
         log.advance(loss=t["loss"] / per_step)
-        if (step + 1) % cfg.logging_steps == 0 or step == start:
+        if (step + 1) % tc.logging_steps == 0 or step == start:
             log.log(step + 1, {"loss": t["loss"] / per_step, "rewards/accuracy": t["correct"] / per_step,
                                "rewards/margin": t["margin"] / per_step, "rewards/chosen": t["chosen"] / per_step,
                                "rewards/rejected": t["rejected"] / per_step, "grad_norm": grad_norm,
                                "learning_rate": policy.learning_rate, "perf/tokens_per_s": t["tokens"] / dt,
                                "timing_s/step": dt, "tokens": t["tokens"]})
-        if test and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps):
+        if test and ((step + 1) % tc.eval_steps == 0 or step + 1 == total_steps):
             evaluate(step + 1)
-        save_if_due(accelerator, cfg, step + 1)
+        train.save_if_due(accelerator, tc, step + 1, flags)
 
-    export_hf(accelerator, policy.model, tokenizer, os.path.join(cfg.output_dir, "final"))
+    models.export_hf(accelerator, policy.model, tokenizer, os.path.join(tc.output_dir, "final"))
     log.close(["loss", "rewards/accuracy", "rewards/margin", "eval/rewards/accuracy", "perf/tokens_per_s"])
-    destroy()
+    train.destroy()
 
 
 if __name__ == "__main__":

@@ -14,58 +14,27 @@ the loss (--mask_truncated_completions), DAPO's dynamic sampling (--dynamic_samp
     make cluster-run RECIPE=recipes/grpo.py CONFIG=recipes/configs/grpo_tiny.yaml NODES=2
 
 The embedded task is PPO's (recipes/ppo.py): 1/4 per different kind adjective in the reply, up to four.
+Variants: a change of the loss or the advantage that keeps this loop is a flag here (as TRL's GRPOConfig); one that
+changes the loop (another model, another data flow: PPO's critic, distillation's teacher) is its own recipe file.
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from verl_kit.algos import (
-    cispo_clipped,
-    cispo_loss,
-    clipped_surrogate,
-    entropy_from_logits,
-    global_mean_share,
-    group_advantages,
-    kl_estimate,
-    loss_weights,
-    reinforce_plus_plus_baseline_advantages,
-    reweight,
-    rloo_advantages,
-    sequence_log_ratio,
-    step_metrics,
-    surrogate_clipped,
-)
-from verl_kit.config import OnlineConfig, parse_args
-from verl_kit.data import logprobs_from_logits
+from verl_kit import algos, config, models, rewards, rollout, train
 from verl_kit.errors import UserError, main_guard
-from verl_kit.metrics import MetricsLogger, Timer, logger
-from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, reference, resolve_model_path, with_lora
-from verl_kit.rewards import make_rewards
-from verl_kit.rollout import dynamic_sampling, load_prompt_splits, rollout_metrics, sample_rows, start_rollouts
-from verl_kit.train import (
-    ResponsePacker,
-    Tally,
-    Trainable,
-    actor_logits,
-    derived_seed,
-    destroy,
-    frozen,
-    make_accelerator,
-    micro_batches,
-    minibatches,
-    reduce_metrics,
-    save_if_due,
-)
+from verl_kit.metrics import MetricsLogger, Timer
 
 
 @dataclass
-class GRPOConfig(OnlineConfig):
+class GRPOConfig(config.Config):
+    """GRPO's own knobs; the rest of its flags are the online roles (config.ONLINE)."""
+
     CHOICES: ClassVar[dict] = {"loss_type": ("dapo", "grpo", "dr_grpo", "cispo"),
                                "advantage_estimator": ("grpo", "rloo", "reinforce_plus_plus_baseline"),
                                "importance_sampling_level": ("token", "sequence")}
@@ -100,55 +69,75 @@ class GRPOConfig(OnlineConfig):
         "help": "--dynamic_sampling: generation batches per step at most, the first included; then the step trains "
                 "on the informative groups it found, with a warning (verl's filter_groups.max_num_gen_batches)"})
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_generations < 2:
+            raise UserError(f"--num_generations {self.num_generations}: GRPO compares responses within a group, use "
+                            ">= 2")
+        self.at_least(1, "num_iterations", "num_mini_batches", "max_num_gen_batches")
+        if not self.scale_rewards and self.advantage_estimator != "grpo":
+            config.warn(f"--scale_rewards false has no effect with --advantage_estimator {self.advantage_estimator}")
+
+    def check_with(self, cfg: config.Args) -> None:
+        if self.loss_type == "cispo" and (cfg.ratio.epsilon_high is None or cfg.ratio.epsilon_high < 1.0):
+            raise UserError(f"--loss_type cispo needs --epsilon_high >= 1 (the cap of the importance weight; ScaleRL "
+                            f"uses 5.0), got {cfg.ratio.epsilon_high}")
+        if self.mask_truncated_completions and cfg.rollout.ignore_eos:
+            raise UserError("--mask_truncated_completions with --ignore_eos would mask every response (none ends in "
+                            "EOS)")
+        if self.one_update and cfg.ratio.old_logprobs != "recompute":
+            config.warn(f"--old_logprobs {cfg.ratio.old_logprobs} has no effect: with one update per rollout "
+                        "(--num_iterations 1 --num_mini_batches 1) the policy ratio is taken against the update's "
+                        "own forward")
+
+    @property
+    def one_update(self) -> bool:
+        """One optimizer step per rollout: the old log-probs are the update's own forward, detached."""
+        return self.num_iterations * self.num_mini_batches == 1
+
+
+ARGS = {"grpo": GRPOConfig, **config.ONLINE}  # the flags, by role: python recipes/grpo.py --help
+
 
 @main_guard
 def main():
-    cfg = parse_args(GRPOConfig)
-    if cfg.num_generations < 2:
-        raise UserError(f"--num_generations {cfg.num_generations}: GRPO compares responses within a group, use >= 2")
-    if cfg.loss_type == "cispo" and (cfg.epsilon_high is None or cfg.epsilon_high < 1.0):
-        raise UserError(f"--loss_type cispo needs --epsilon_high >= 1 (the cap of the importance weight; ScaleRL "
-                        f"uses 5.0), got {cfg.epsilon_high}")
-    if cfg.max_num_gen_batches < 1:
-        raise UserError(f"--max_num_gen_batches {cfg.max_num_gen_batches}: use >= 1 (the step's own batch counts)")
-    if cfg.mask_truncated_completions and cfg.ignore_eos:
-        raise UserError("--mask_truncated_completions with --ignore_eos would mask every response (none ends in EOS)")
-    accelerator = make_accelerator(cfg)
+    cfg = config.parse(**ARGS)
+    grpo, flags = cfg.grpo, cfg.flags()
+    accelerator = train.make_accelerator(cfg.train)
     world, device = accelerator.num_processes, accelerator.device
-    cfg.check(world)
-    one_update = cfg.num_iterations * cfg.num_mini_batches == 1  # then old log-probs = this forward's, detached
-    if one_update and cfg.old_logprobs != "recompute" and accelerator.is_main_process:
-        logger.warning("--old_logprobs %s has no effect: with one update per rollout (--num_iterations 1 "
-                       "--num_mini_batches 1) the policy ratio is taken against the update's own forward",
-                       cfg.old_logprobs)
-    if not cfg.scale_rewards and cfg.advantage_estimator != "grpo" and accelerator.is_main_process:
-        logger.warning("--scale_rewards false has no effect with --advantage_estimator %s", cfg.advantage_estimator)
+    correct = cfg.ratio.importance_sampling(cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
 
     # ---- data, models, rewards -----------------------------------------------------------------------------------
-    model_path = resolve_model_path(cfg.model_name_or_path)
-    tokenizer = load_tokenizer(model_path)
-    pad = tokenizer.pad_token_id
-    train, test = load_prompt_splits(cfg, tokenizer)
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train.ids)
-                                                                      / cfg.prompts_per_step)
-    attn = cfg.attn_implementation
-    actor = Trainable(accelerator, with_lora(load_causal_lm(model_path, attn, cfg.gradient_checkpointing), cfg), cfg,
-                      cfg.learning_rate, total_steps)
+    model_path = models.resolve_model_path(cfg.train.model_name_or_path)
+    tokenizer = models.load_tokenizer(model_path)
+    prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
+    total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
+    attn = cfg.train.attn_implementation
+    policy = models.with_lora(models.load_causal_lm(model_path, attn, cfg.train.gradient_checkpointing), cfg.train)
+    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)
     # the initial policy; with --use_peft the actor itself with its adapter disabled (no second copy of the weights)
-    ref = None if cfg.beta == 0 else reference(actor.model) if cfg.use_peft else \
-        frozen(accelerator, lambda: load_causal_lm(model_path, attn))
-    packed = ResponsePacker(cfg, pad, actor.unwrapped())  # rollout rows -> packed (or padded) forward batches
-    reward = make_rewards(cfg, accelerator, tokenizer)  # reward functions and/or a frozen reward model, weighted
-    # the --rollout backend, synchronous or (--async_rollout) generating ahead; resumed and synced: the first step
-    rollouts, start = start_rollouts(cfg, accelerator, actor.unwrapped(), model_path, tokenizer, train.ids,
-                                     total_steps, rows=train.rows)  # rows: multi-turn episodes start from them
-    log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
+    ref = None if grpo.beta == 0 else models.reference(actor.model) if cfg.train.use_peft else \
+        train.frozen(accelerator, lambda: models.load_causal_lm(model_path, attn))
+    # rollout rows -> packed (or padded) forward batches, log-probs at the sampling temperature
+    packed = train.ResponsePacker(cfg.train, tokenizer.pad_token_id, actor.unwrapped(), cfg.rollout.temperature)
+    # reward functions and/or a frozen reward model, weighted
+    reward = rewards.make_rewards(cfg.rewards, accelerator, tokenizer, cfg.train.max_length,
+                                  cfg.train.per_device_eval_batch_size, bool(cfg.env.environment_factory))
+    # the --rollout backend (multi-turn episodes with --environment_factory or --tools), synchronous or ahead
+    rollouts = rollout.make_rollouts(cfg.rollout, cfg.vllm, cfg.env, cfg.train, accelerator, actor.unwrapped(),
+                                     model_path, tokenizer, prompts, total_steps, grpo.num_generations)
+    start = train.resume(accelerator, cfg.train, flags, per_rank=rollouts)  # 0 unless --resume_from_checkpoint
+    rollouts.load_weights(actor.unwrapped(), version=start)  # the engine samples from the (restored) actor
+    log = MetricsLogger(accelerator, cfg.train.output_dir, total_steps, start, flags, cfg.train.run_name)
 
-    def score(ro):  # sequence scores (B,) of a rollout's responses, each against its dataset row
-        return reward.of_rollout([train.rows[i] for i in ro.prompt_index], ro)
+    def score(ro):  # the Scores of a rollout's responses, each against its dataset row
+        return reward.of_rollout([prompts.rows[i] for i in ro.prompt_index], ro)
 
-    if start == 0 and test.ids:  # held out: --num_generations_eval responses per prompt, same rewards, no KL term
-        log.log(0, rollouts.evaluate(accelerator, test, reward.of_rollout, cfg.prompts_per_step // world))
+    def evaluate():  # held out: --num_generations_eval responses per prompt, same rewards, no KL term
+        return rollouts.evaluate(accelerator, held_out, reward.of_rollout, cfg.rollout.prompts_per_step // world)
+
+    if start == 0 and held_out.ids:
+        log.log(0, evaluate())
 
     # ---- training loop -------------------------------------------------------------------------------------------
     for step in range(start, total_steps):
@@ -159,99 +148,99 @@ def main():
 
         # 2. rewards and group-relative advantages (B,)
         with timer("reward"):
-            scores = score(ro)
+            scored = score(ro)
         sampled = {}  # --dynamic_sampling (DAPO): flat groups dropped, further batches generated to fill the step
-        if cfg.dynamic_sampling:
+        if grpo.dynamic_sampling:
             with timer("dynamic_sampling"):
-                ro, scores, sampled = dynamic_sampling(rollouts, step, ro, scores, score, cfg.num_generations,
-                                                       cfg.max_num_gen_batches)
-        mask, B = ro.response_mask, ro.response_mask.shape[0]
-        rows = [train.rows[i] for i in ro.prompt_index]  # the dataset row of each response
+                ro, scored, sampled = rollout.dynamic_sampling(rollouts, step, ro, scored, score,
+                                                               grpo.num_generations, grpo.max_num_gen_batches)
+        mask, B, scores = ro.response_mask, ro.response_mask.shape[0], scored.total  # scores (B,)
+        rows = [prompts.rows[i] for i in ro.prompt_index]  # the dataset row of each response
         with timer("reward"):
-            if cfg.advantage_estimator == "rloo":
-                advantages = rloo_advantages(scores, cfg.num_generations)
-            elif cfg.advantage_estimator == "reinforce_plus_plus_baseline":  # whitened over all ranks' tokens
-                advantages = reinforce_plus_plus_baseline_advantages(scores, cfg.num_generations, mask, reduce_metrics)
+            if grpo.advantage_estimator == "rloo":
+                advantages = algos.rloo_advantages(scores, grpo.num_generations)
+            elif grpo.advantage_estimator == "reinforce_plus_plus_baseline":  # whitened over all ranks' tokens
+                advantages = algos.reinforce_plus_plus_baseline_advantages(scores, grpo.num_generations, mask,
+                                                                           train.reduce_metrics)
             else:
-                advantages = group_advantages(scores, cfg.num_generations, cfg.scale_rewards)
+                advantages = algos.group_advantages(scores, grpo.num_generations, grpo.scale_rewards)
 
         # 3. reference log-probs (for the KL term) and, with several updates per rollout, the old log-probs
         lengths = mask.sum(-1)
         # --mask_truncated_completions: responses without EOS weigh 0 and leave the loss's token/response counts
-        keep = ~ro.truncated if cfg.mask_truncated_completions else torch.ones(B, dtype=torch.bool)
+        keep = ~ro.truncated if grpo.mask_truncated_completions else torch.ones(B, dtype=torch.bool)
         costs = ro.costs  # tokens of each row's forward pass
         with timer("ref"):
-            chunks = micro_batches(cfg, list(range(B)), costs)
+            chunks = train.micro_batches(cfg.train, list(range(B)), costs)
             ref_logprobs = packed.logprobs(ref, ro, chunks, device) if ref is not None else None
-            old_logprobs = None if one_update else (
-                ro.sampling_logprobs if cfg.old_logprobs == "rollout"
+            old_logprobs = None if grpo.one_update else (
+                ro.sampling_logprobs if cfg.ratio.old_logprobs == "rollout"
                 else packed.logprobs(actor.model, ro, chunks, device))
 
         # 4. updates: num_iterations passes over the batch, num_mini_batches optimizer steps each
-        tally, grad_norms = Tally(), []
-        for it in range(cfg.num_iterations):
-            mbs = minibatches(B, cfg.num_mini_batches, derived_seed(cfg.seed, step, it))
-            for j, mb in enumerate(mbs):
-                mb_chunks = micro_batches(cfg, mb, [costs[i] for i in mb])
-                n = reduce_metrics({"tokens": lengths[mb][keep[mb]].sum(), "seqs": keep[mb].sum()})  # all ranks
-                with timer("update_actor"):
-                    for chunk in actor.accumulate(mb_chunks):
-                        batch, ix = packed(ro, chunk)
-                        logits = actor_logits(actor.model, batch.to(device), ix, cfg.temperature)
-                        logprobs = logprobs_from_logits(logits, ix.targets.to(device))
-                        old = logprobs.detach() if one_update else old_logprobs[ix.row, ix.pos].to(device)
-                        adv = advantages[ix.row].to(device)  # a response's advantage on each of its tokens
-                        # ratio per token, or GSPO's per response (the tokens of a response are all in this chunk)
-                        log_ratio = (sequence_log_ratio(logprobs, old, ix.row.to(device), B)
-                                     if cfg.importance_sampling_level == "sequence" else logprobs - old)
-                        if cfg.loss_type == "cispo":
-                            loss = cispo_loss(logprobs, log_ratio, adv, cfg.epsilon_high)
-                            clipped = cispo_clipped(log_ratio, adv, cfg.epsilon_high)
-                        else:
-                            loss = clipped_surrogate(log_ratio, adv, cfg.cliprange, cfg.epsilon_high)
-                            clipped = surrogate_clipped(log_ratio, adv, cfg.cliprange, cfg.epsilon_high)
-                        # the engine sampled from mu, not pi_old: importance weights (verl_kit.algos.off_policy)
-                        loss = reweight(cfg, loss, old, ro.sampling_logprobs[ix.row, ix.pos].to(device),
-                                        ix.row.to(device), B, tally if it == 0 else None)
-                        kl = (kl_estimate(logprobs, ref_logprobs[ix.row, ix.pos].to(device), "k3") if ref is not None
-                              else torch.zeros_like(logprobs))
-                        # this micro-batch's share of the minibatch loss on all ranks (algos.reduction.loss_weights)
-                        w = loss_weights(cfg.loss_type, lengths[ix.row], max(n["tokens"], 1), max(n["seqs"], 1),
-                                         cfg.max_completion_length) * keep[ix.row]
-                        actor.backward(global_mean_share((loss + cfg.beta * kl) * w.to(device), 1.0, world))
-                        with torch.no_grad():
-                            tally.add(tokens=len(loss), pg_loss=loss, pg_clipfrac=clipped,
-                                      approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy_from_logits(logits), kl=kl)
-                    last_update = it == cfg.num_iterations - 1 and j == len(mbs) - 1  # LR schedule: once per step
-                    grad_norms.append(actor.step(schedule=last_update))
+        tally, grad_norms = train.Tally(), []
+        for update in train.updates(cfg.train, step, costs, grpo.num_iterations, grpo.num_mini_batches):
+            mb = update.rows
+            n = train.reduce_metrics({"tokens": lengths[mb][keep[mb]].sum(), "seqs": keep[mb].sum()})  # all ranks
+            with timer("update_actor"):
+                for chunk in actor.accumulate(update.chunks):
+                    logits, logprobs, ix = packed.forward(actor.model, ro, chunk, device)
+                    old = logprobs.detach() if grpo.one_update else ix.gather(old_logprobs, device)
+                    adv, row = ix.gather(advantages, device), ix.row.to(device)  # a response's advantage per token
+                    # ratio per token, or GSPO's per response (the tokens of a response are all in this chunk)
+                    log_ratio = (algos.sequence_log_ratio(logprobs, old, row, B)
+                                 if grpo.importance_sampling_level == "sequence" else logprobs - old)
+                    if grpo.loss_type == "cispo":
+                        loss = algos.cispo_loss(logprobs, log_ratio, adv, cfg.ratio.epsilon_high)
+                        clipped = algos.cispo_clipped(log_ratio, adv, cfg.ratio.epsilon_high)
+                    else:
+                        loss = algos.clipped_surrogate(log_ratio, adv, cfg.ratio.cliprange, cfg.ratio.epsilon_high)
+                        clipped = algos.clipped_tokens(log_ratio, adv, cfg.ratio.cliprange, cfg.ratio.epsilon_high)
+                    # the engine sampled from mu, not pi_old: importance weights (algos.off_policy), measured once
+                    is_terms = (old, ix.gather(ro.sampling_logprobs, device), row, B)
+                    if correct and update.epoch == 0:
+                        tally.add(**algos.mismatch_metrics(*is_terms, **cfg.ratio.importance_sampling_args()))
+                    if correct:
+                        loss = loss * algos.importance_weights(*is_terms, **cfg.ratio.importance_sampling_args())
+                    kl = (algos.kl_estimate(logprobs, ix.gather(ref_logprobs, device), "k3") if ref is not None
+                          else torch.zeros_like(logprobs))
+                    # this micro-batch's share of the minibatch loss on all ranks (algos.reduction.loss_weights)
+                    w = algos.loss_weights(grpo.loss_type, ix.gather(lengths), max(n["tokens"], 1),
+                                           max(n["seqs"], 1), cfg.rollout.max_completion_length) * ix.gather(keep)
+                    actor.backward(algos.global_mean_share((loss + grpo.beta * kl) * w.to(device), 1.0, world))
+                    with torch.no_grad():
+                        tally.add(tokens=len(loss), pg_loss=loss, pg_clipfrac=clipped,
+                                  approx_kl=0.5 * (logprobs - old) ** 2, entropy=algos.entropy_from_logits(logits),
+                                  kl=kl)
+                grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
 
         # 5. weight sync: the rollout engine generates with the updated actor from the next step on
         sync_metrics = rollouts.load_weights(actor.unwrapped(), version=step + 1)
 
         # ---- metrics, checkpoint -------------------------------------------------------------------------------
-        tally.add(flat_groups=scores.view(-1, cfg.num_generations).std(-1) == 0, groups=B / cfg.num_generations)
+        tally.add(flat_groups=scores.view(-1, grpo.num_generations).std(-1) == 0, groups=B / grpo.num_generations)
         t = tally.reduce()
         timer.seconds["timing_s/step"] = time.time() - t_step
-        metrics = {**rollout_metrics(ro, scores, timer.seconds["timing_s/step"], rollouts.environments),
+        metrics = {**rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments),
                    "reward/frac_zero_std": t["flat_groups"] / t["groups"],
                    "kl": t["kl"] / t["tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    "grad_norm": sum(grad_norms) / len(grad_norms), "learning_rate": actor.learning_rate,
-                   "rollout/staleness": staleness, **step_metrics(t), **reward.metrics(), **sampled,
+                   "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(), **sampled,
                    **timer.seconds, **sync_metrics}
         log.advance(reward=metrics["reward/mean"])
-        do_eval = test.ids and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)
+        do_eval = held_out.ids and ((step + 1) % cfg.train.eval_steps == 0 or step + 1 == total_steps)
         if do_eval:
-            metrics.update(rollouts.evaluate(accelerator, test, reward.of_rollout, cfg.prompts_per_step // world))
-        if (step + 1) % cfg.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
+            metrics.update(evaluate())
+        if (step + 1) % cfg.train.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
             log.log(step + 1, metrics)
-            log.log_samples(sample_rows(step + 1, rows, ro, scores, tokenizer))
-        save_if_due(accelerator, cfg, step + 1, per_rank=rollouts)
+            log.log_samples(rollout.sample_rows(step + 1, rows, ro, scores, tokenizer))
+        train.save_if_due(accelerator, cfg.train, step + 1, flags, per_rank=rollouts)
 
     rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
-    export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.output_dir, "final"))
+    models.export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.train.output_dir, "final"))
     log.close(["reward/mean", "eval/reward_mean", "kl", "actor/entropy", "response_length/mean"])
-    destroy()
+    train.destroy()
 
 
 if __name__ == "__main__":

@@ -17,61 +17,26 @@ shorter reply can win it.
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from verl_kit.algos import (
-    AdaptiveKLController,
-    FixedKLController,
-    entropy_from_logits,
-    gae,
-    global_mean_share,
-    kl_estimate,
-    masked_moments,
-    masked_variance,
-    policy_clipped,
-    policy_loss,
-    reweight,
-    step_metrics,
-    token_rewards,
-    value_clipped,
-    value_loss,
-    whiten,
-)
-from verl_kit.config import OnlineConfig, parse_args
-from verl_kit.data import logprobs_from_logits
+from verl_kit import algos, config, models, rewards, rollout, train
 from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger, Timer
-from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, reference, resolve_model_path, with_lora
-from verl_kit.rewards import make_rewards
-from verl_kit.rollout import load_prompt_splits, rollout_metrics, sample_rows, start_rollouts
-from verl_kit.train import (
-    CriticModel,
-    ResponsePacker,
-    Tally,
-    Trainable,
-    actor_logits,
-    critic_values,
-    derived_seed,
-    destroy,
-    frozen,
-    make_accelerator,
-    micro_batches,
-    minibatches,
-    reduce_metrics,
-    save_if_due,
-)
 
 
 @dataclass
-class PPOConfig(OnlineConfig):
+class PPOConfig(config.Config):
+    """PPO's own knobs: the critic, the PPO epochs, GAE and the KL penalty in the reward; the rest of its flags are
+    the online roles (config.ONLINE)."""
+
     CHOICES: ClassVar[dict] = {"critic_init": ("policy", "reward"), "kl_estimator": ("k1", "k3")}
 
+    num_generations: int = field(default=2, metadata={"help": "responses sampled per prompt"})
     critic_init: str = field(default="policy", metadata={"help": "critic backbone from the policy or reward model"})
     critic_learning_rate: float = field(default=1e-3, metadata={"help": "critic AdamW learning rate"})
     num_ppo_epochs: int = field(default=2, metadata={"help": "passes over each rollout batch"})
@@ -87,45 +52,62 @@ class PPOConfig(OnlineConfig):
     kl_target: float = field(default=6.0, metadata={"help": "target per-sequence KL of the adaptive controller"})
     kl_horizon: float = field(default=10000.0, metadata={"help": "horizon of the adaptive controller"})
 
+    def __post_init__(self):
+        super().__post_init__()
+        self.at_least(1, "num_generations", "num_ppo_epochs", "num_mini_batches")
+
+    def check_with(self, cfg: config.Args) -> None:
+        if self.critic_init == "reward" and not cfg.rewards.reward_model_name_or_path:
+            raise UserError("--critic_init reward needs --reward_model_name_or_path")
+
+
+ARGS = {"ppo": PPOConfig, **config.ONLINE}  # the flags, by role: python recipes/ppo.py --help
+
 
 @main_guard
 def main():
-    cfg = parse_args(PPOConfig)
-    accelerator = make_accelerator(cfg)
+    cfg = config.parse(**ARGS)
+    ppo, flags = cfg.ppo, cfg.flags()
+    accelerator = train.make_accelerator(cfg.train)
     world, device = accelerator.num_processes, accelerator.device
-    cfg.check(world)
-    if cfg.critic_init == "reward" and not cfg.reward_model_name_or_path:
-        raise UserError("--critic_init reward needs --reward_model_name_or_path")
+    correct = cfg.ratio.importance_sampling(cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
 
     # ---- data, models, rewards -----------------------------------------------------------------------------------
-    model_path = resolve_model_path(cfg.model_name_or_path)
-    tokenizer = load_tokenizer(model_path)
-    pad = tokenizer.pad_token_id
-    train, test = load_prompt_splits(cfg, tokenizer)
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train.ids)
-                                                                      / cfg.prompts_per_step)
-    attn = cfg.attn_implementation
-    actor = Trainable(accelerator, with_lora(load_causal_lm(model_path, attn, cfg.gradient_checkpointing), cfg), cfg,
-                      cfg.learning_rate, total_steps)
-    critic_path = model_path if cfg.critic_init == "policy" else resolve_model_path(cfg.reward_model_name_or_path)
-    critic_model = CriticModel.from_pretrained(critic_path, cfg.critic_init, attn, cfg.gradient_checkpointing)
-    critic_model.backbone = with_lora(critic_model.backbone, cfg, task_type=None)  # --use_peft: its own adapter
-    critic = Trainable(accelerator, critic_model, cfg, cfg.critic_learning_rate, total_steps)
+    model_path = models.resolve_model_path(cfg.train.model_name_or_path)
+    tokenizer = models.load_tokenizer(model_path)
+    prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
+    total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
+    attn, checkpointing = cfg.train.attn_implementation, cfg.train.gradient_checkpointing
+    policy = models.with_lora(models.load_causal_lm(model_path, attn, checkpointing), cfg.train)
+    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)
+    critic_path = (model_path if ppo.critic_init == "policy"
+                   else models.resolve_model_path(cfg.rewards.reward_model_name_or_path))
+    critic_model = train.CriticModel.from_pretrained(critic_path, ppo.critic_init, attn, checkpointing)
+    critic_model.backbone = models.with_lora(critic_model.backbone, cfg.train, task_type=None)  # its own adapter
+    critic = train.Trainable(accelerator, critic_model, cfg.train, ppo.critic_learning_rate, total_steps)
     # the initial policy; with --use_peft the actor itself with its adapter disabled (no second copy of the weights)
-    ref = reference(actor.model) if cfg.use_peft else frozen(accelerator, lambda: load_causal_lm(model_path, attn))
-    packed = ResponsePacker(cfg, pad, actor.unwrapped())  # rollout rows -> packed (or padded) forward batches
-    kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
-              else FixedKLController(cfg.kl_coef))
+    ref = (models.reference(actor.model) if cfg.train.use_peft
+           else train.frozen(accelerator, lambda: models.load_causal_lm(model_path, attn)))
+    # rollout rows -> packed (or padded) forward batches, log-probs at the sampling temperature
+    packed = train.ResponsePacker(cfg.train, tokenizer.pad_token_id, actor.unwrapped(), cfg.rollout.temperature)
+    kl_ctl = (algos.AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon) if ppo.adaptive_kl
+              else algos.FixedKLController(ppo.kl_coef))
     accelerator.register_for_checkpointing(kl_ctl)
+    # reward functions and/or a frozen reward model, weighted
+    reward = rewards.make_rewards(cfg.rewards, accelerator, tokenizer, cfg.train.max_length,
+                                  cfg.train.per_device_eval_batch_size, bool(cfg.env.environment_factory))
+    # the --rollout backend (multi-turn episodes with --environment_factory or --tools), synchronous or ahead
+    rollouts = rollout.make_rollouts(cfg.rollout, cfg.vllm, cfg.env, cfg.train, accelerator, actor.unwrapped(),
+                                     model_path, tokenizer, prompts, total_steps, ppo.num_generations)
+    start = train.resume(accelerator, cfg.train, flags, per_rank=rollouts)  # 0 unless --resume_from_checkpoint
+    rollouts.load_weights(actor.unwrapped(), version=start)  # the engine samples from the (restored) actor
+    log = MetricsLogger(accelerator, cfg.train.output_dir, total_steps, start, flags, cfg.train.run_name)
 
-    reward = make_rewards(cfg, accelerator, tokenizer)  # reward functions and/or a frozen reward model, weighted
-    # the --rollout backend, synchronous or (--async_rollout) generating ahead; resumed and synced: the first step
-    rollouts, start = start_rollouts(cfg, accelerator, actor.unwrapped(), model_path, tokenizer, train.ids,
-                                     total_steps, rows=train.rows)  # rows: multi-turn episodes start from them
-    log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
+    def evaluate():  # held out: --num_generations_eval responses per prompt, same rewards, no KL term
+        return rollouts.evaluate(accelerator, held_out, reward.of_rollout, cfg.rollout.prompts_per_step // world)
 
-    if start == 0 and test.ids:  # held out: --num_generations_eval responses per prompt, same rewards, no KL term
-        log.log(0, rollouts.evaluate(accelerator, test, reward.of_rollout, cfg.prompts_per_step // world))
+    if start == 0 and held_out.ids:
+        log.log(0, evaluate())
 
     # ---- training loop -------------------------------------------------------------------------------------------
     for step in range(start, total_steps):
@@ -137,101 +119,100 @@ def main():
 
         # 2. rewards: sequence scores (B,)
         with timer("reward"):
-            rows = [train.rows[i] for i in ro.prompt_index]  # the dataset row of each response
-            scores = reward.of_rollout(rows, ro)  # sequence scores (B,)
+            rows = [prompts.rows[i] for i in ro.prompt_index]  # the dataset row of each response
+            scored = reward.of_rollout(rows, ro)
+            scores = scored.total
 
         # 3. old log-probs (the actor before this update), reference log-probs and values
         lengths = mask.sum(-1)
         costs = ro.costs  # tokens of each row's forward pass
-        chunks = micro_batches(cfg, list(range(B)), costs)
+        chunks = train.micro_batches(cfg.train, list(range(B)), costs)
         with timer("ref"):
-            old_logprobs = (ro.sampling_logprobs if cfg.old_logprobs == "rollout"
+            old_logprobs = (ro.sampling_logprobs if cfg.ratio.old_logprobs == "rollout"
                             else packed.logprobs(actor.model, ro, chunks, device))
             ref_logprobs = packed.logprobs(ref, ro, chunks, device)
         with timer("values"):
-            old_values = packed.per_token(lambda b, ix: critic_values(critic.model, b, ix), ro, chunks,
-                                          device)
+            old_values = packed.per_token(lambda b, ix: train.critic_values(critic.model, b, ix), ro, chunks, device)
 
         # 4. advantages: KL penalty folded into per-token rewards, GAE, whitening over the global batch
         with timer("adv"):
-            kl = kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator) * mask
-            rewards = token_rewards(scores, kl, mask, kl_ctl.value)
-            advantages = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
+            kl = algos.kl_estimate(old_logprobs, ref_logprobs, ppo.kl_estimator) * mask
+            token_rewards = algos.token_rewards(scores, kl, mask, kl_ctl.value)
+            advantages = algos.gae(token_rewards, old_values, mask, ppo.gamma, ppo.lam)
             returns = advantages + old_values * mask
-            if cfg.whiten_advantages:
-                advantages = whiten(advantages, mask, reduce_metrics(masked_moments(advantages, mask)))
+            if ppo.whiten_advantages:
+                advantages = algos.whiten(advantages, mask,
+                                          train.reduce_metrics(algos.masked_moments(advantages, mask)))
 
         # 5. PPO epochs over minibatches: actor and critic each take one optimizer step per minibatch
-        tally, grad_norms = Tally(), {"actor": [], "critic": []}
-        for epoch in range(cfg.num_ppo_epochs):
-            mbs = minibatches(B, cfg.num_mini_batches, derived_seed(cfg.seed, step, epoch))
-            for j, mb in enumerate(mbs):
-                last_update = epoch == cfg.num_ppo_epochs - 1 and j == len(mbs) - 1  # LR schedule: once per step
-                mb_chunks = micro_batches(cfg, mb, [costs[i] for i in mb])
-                n_tok = reduce_metrics({"n": lengths[mb].sum()})["n"]  # minibatch tokens, all ranks
-                with timer("update_actor"):
-                    for chunk in actor.accumulate(mb_chunks):
-                        batch, ix = packed(ro, chunk)
-                        logits = actor_logits(actor.model, batch.to(device), ix, cfg.temperature)
-                        logprobs = logprobs_from_logits(logits, ix.targets.to(device))
-                        old, adv = old_logprobs[ix.row, ix.pos].to(device), advantages[ix.row, ix.pos].to(device)
-                        pg = policy_loss(logprobs, old, adv, cfg.cliprange, cfg.epsilon_high)
-                        # the engine sampled from mu, not pi_old: importance weights (verl_kit.algos.off_policy)
-                        pg = reweight(cfg, pg, old, ro.sampling_logprobs[ix.row, ix.pos].to(device),
-                                      ix.row.to(device), B, tally if epoch == 0 else None)
-                        entropy = entropy_from_logits(logits)
-                        # token mean over the minibatch on all ranks (algos.reduction.global_mean_share)
-                        actor.backward(global_mean_share(pg - cfg.ent_coef * entropy, n_tok, world))
-                        with torch.no_grad():  # approx_kl = mean 0.5 (log ratio)^2 (Schulman's k2)
-                            tally.add(tokens=len(pg), pg_loss=pg, pg_clipfrac=policy_clipped(logprobs, old, adv,
-                                      cfg.cliprange, cfg.epsilon_high), approx_kl=0.5 * (logprobs - old) ** 2,
-                                      entropy=entropy)
-                    grad_norms["actor"].append(actor.step(schedule=last_update))
-                with timer("update_critic"):
-                    for chunk in critic.accumulate(mb_chunks):
-                        batch, ix = packed(ro, chunk)
-                        values = critic_values(critic.model, batch.to(device), ix)
-                        old_v, ret = old_values[ix.row, ix.pos].to(device), returns[ix.row, ix.pos].to(device)
-                        vf = value_loss(values, old_v, ret, cfg.cliprange_value)
-                        critic.backward(global_mean_share(vf, n_tok, world))
-                        tally.add(vf_loss=vf.detach(), vf_clipfrac=value_clipped(values.detach(), old_v, ret,
-                                                                                 cfg.cliprange_value))
-                    grad_norms["critic"].append(critic.step(schedule=last_update))
+        tally, grad_norms = train.Tally(), {"actor": [], "critic": []}
+        for update in train.updates(cfg.train, step, costs, ppo.num_ppo_epochs, ppo.num_mini_batches):
+            n_tok = train.reduce_metrics({"n": lengths[update.rows].sum()})["n"]  # minibatch tokens, all ranks
+            with timer("update_actor"):
+                for chunk in actor.accumulate(update.chunks):
+                    logits, logprobs, ix = packed.forward(actor.model, ro, chunk, device)
+                    old, adv = ix.gather(old_logprobs, device), ix.gather(advantages, device)
+                    pg = algos.clipped_surrogate(logprobs - old, adv, cfg.ratio.cliprange, cfg.ratio.epsilon_high)
+                    # the engine sampled from mu, not pi_old: importance weights (algos.off_policy), measured once
+                    is_terms = (old, ix.gather(ro.sampling_logprobs, device), ix.row.to(device), B)
+                    if correct and update.epoch == 0:
+                        tally.add(**algos.mismatch_metrics(*is_terms, **cfg.ratio.importance_sampling_args()))
+                    if correct:
+                        pg = pg * algos.importance_weights(*is_terms, **cfg.ratio.importance_sampling_args())
+                    entropy = algos.entropy_from_logits(logits)
+                    # token mean over the minibatch on all ranks (algos.reduction.global_mean_share)
+                    actor.backward(algos.global_mean_share(pg - ppo.ent_coef * entropy, n_tok, world))
+                    with torch.no_grad():  # approx_kl = mean 0.5 (log ratio)^2 (Schulman's k2)
+                        tally.add(tokens=len(pg), pg_loss=pg, approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy,
+                                  pg_clipfrac=algos.clipped_tokens(logprobs - old, adv, cfg.ratio.cliprange,
+                                                                   cfg.ratio.epsilon_high))
+                grad_norms["actor"].append(actor.step(schedule=update.last))  # the LR schedule: once per step
+            with timer("update_critic"):
+                for chunk in critic.accumulate(update.chunks):
+                    batch, ix = packed(ro, chunk)
+                    values = train.critic_values(critic.model, batch.to(device), ix)
+                    old_v, ret = ix.gather(old_values, device), ix.gather(returns, device)
+                    vf = algos.value_loss(values, old_v, ret, ppo.cliprange_value)
+                    critic.backward(algos.global_mean_share(vf, n_tok, world))
+                    tally.add(vf_loss=vf.detach(),
+                              vf_clipfrac=algos.value_clipped(values.detach(), old_v, ret, ppo.cliprange_value))
+                grad_norms["critic"].append(critic.step(schedule=update.last))
 
         # 6. weight sync: the rollout engine generates with the updated actor from the next step on
         sync_metrics = rollouts.load_weights(actor.unwrapped(), version=step + 1)
 
         # ---- metrics, KL controller, checkpoint ----------------------------------------------------------------
-        tally.add(kl=kl, responses=B, **masked_moments(returns - old_values, mask, "resid_"),
-                  **masked_moments(returns, mask, "ret_"))
+        tally.add(kl=kl, responses=B, **algos.masked_moments(returns - old_values, mask, "resid_"),
+                  **algos.masked_moments(returns, mask, "ret_"))
         t = tally.reduce()
         kl_mean = t["kl"] / t["responses"]
         kl_coef = kl_ctl.value
         kl_ctl.update(kl_mean, int(t["responses"]))
         timer.seconds["timing_s/step"] = time.time() - t_step
+        explained = 1.0 - algos.masked_variance(t, "resid_") / max(algos.masked_variance(t, "ret_"), 1e-8)
         metrics = {"kl": kl_mean, "kl_coef": kl_coef,
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    "grad_norm": sum(grad_norms["actor"]) / len(grad_norms["actor"]),
                    "critic/vf_loss": t["vf_loss"] / t["tokens"], "critic/vf_clipfrac": t["vf_clipfrac"] / t["tokens"],
-                   "critic/explained_var": 1.0 - masked_variance(t, "resid_") / max(masked_variance(t, "ret_"), 1e-8),
+                   "critic/explained_var": explained,
                    "critic/grad_norm": sum(grad_norms["critic"]) / len(grad_norms["critic"]),
-                   **rollout_metrics(ro, scores, timer.seconds["timing_s/step"], rollouts.environments),
-                   "rollout/staleness": staleness, **step_metrics(t), **reward.metrics(),
+                   **rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments),
+                   "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(),
                    "learning_rate": actor.learning_rate, **timer.seconds, **sync_metrics}
         log.advance(reward=metrics["reward/mean"])
-        do_eval = test.ids and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps)
+        do_eval = held_out.ids and ((step + 1) % cfg.train.eval_steps == 0 or step + 1 == total_steps)
         if do_eval:
-            metrics.update(rollouts.evaluate(accelerator, test, reward.of_rollout, cfg.prompts_per_step // world))
-        if (step + 1) % cfg.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
+            metrics.update(evaluate())
+        if (step + 1) % cfg.train.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
             log.log(step + 1, metrics)
-            log.log_samples(sample_rows(step + 1, rows, ro, scores, tokenizer))
-        save_if_due(accelerator, cfg, step + 1, per_rank=rollouts)
+            log.log_samples(rollout.sample_rows(step + 1, rows, ro, scores, tokenizer))
+        train.save_if_due(accelerator, cfg.train, step + 1, flags, per_rank=rollouts)
 
     rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
-    export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.output_dir, "final"))
+    models.export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.train.output_dir, "final"))
     log.close(["reward/mean", "eval/reward_mean", "kl", "actor/entropy", "critic/explained_var",
                "response_length/mean"])
-    destroy()
+    train.destroy()
 
 
 if __name__ == "__main__":

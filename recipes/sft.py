@@ -15,35 +15,17 @@ Copy this file and edit it; `verl_kit` holds only mechanism.
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from verl_kit.algos import global_mean_share
-from verl_kit.config import OfflineConfig, parse_args
-from verl_kit.data import TINY_SFT, forward_logits, load_splits, sft_examples, token_logprobs
+from verl_kit import algos, config, data, models, train
 from verl_kit.errors import main_guard
 from verl_kit.metrics import MetricsLogger
-from verl_kit.models import export_hf, load_causal_lm, load_tokenizer, resolve_model_path, uses_block_mask, with_lora
-from verl_kit.train import (
-    Tally,
-    Trainable,
-    destroy,
-    make_accelerator,
-    make_batch,
-    micro_batches,
-    param_counts,
-    reduce_metrics,
-    resume,
-    save_if_due,
-    score_items,
-    step_indices,
-)
 
 
 @dataclass
-class SFTConfig(OfflineConfig):
-    dataset_name: str = field(default=TINY_SFT, metadata={
-        "help": "hub dataset name, or a local .jsonl/.json/.parquet file or a directory of them (text, prompt + "
-                "completion, or messages rows)"})
+class SFTConfig(config.Config):
+    """SFT's own knobs: which tokens are learned; the rest of its flags are the training role's."""
+
     dataset_text_field: str = field(default="text", metadata={"help": "the column of language-modeling rows"})
     completion_only_loss: bool | None = field(default=None, metadata={
         "help": "prompt/completion rows: learn the completion only (default) or, if false, the whole sequence"})
@@ -52,43 +34,58 @@ class SFTConfig(OfflineConfig):
                 "whole conversation"})
 
 
+@dataclass
+class SFTTrainConfig(config.OfflineConfig):
+    """config.OfflineConfig with the embedded SFT task as its default data."""
+
+    dataset_name: str = field(default=data.TINY_SFT, metadata={
+        "help": "hub dataset name, or a local .jsonl/.json/.parquet file or a directory of them (text, prompt + "
+                "completion, or messages rows)"})
+
+
+ARGS = {"sft": SFTConfig, "train": SFTTrainConfig}  # the flags, by role: python recipes/sft.py --help
+
+
 @main_guard
 def main():
-    cfg = parse_args(SFTConfig)
-    accelerator = make_accelerator(cfg)
+    cfg = config.parse(**ARGS)
+    sft, tc, flags = cfg.sft, cfg.train, cfg.flags()
+    accelerator = train.make_accelerator(tc)
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
 
     # ---- data and model ------------------------------------------------------------------------------------------
-    model_path = resolve_model_path(cfg.model_name_or_path)
-    tokenizer = load_tokenizer(model_path)
+    model_path = models.resolve_model_path(tc.model_name_or_path)
+    tokenizer = models.load_tokenizer(model_path)
     pad = tokenizer.pad_token_id
-    train_ds, test_ds = load_splits(cfg)
-    examples = lambda ds, source: sft_examples(ds, tokenizer, cfg.max_prompt_length, cfg.max_length, source,
-                                               cfg.dataset_text_field, cfg.completion_only_loss,
-                                               cfg.assistant_only_loss)
-    train = examples(train_ds, cfg.dataset_name)
-    test = examples(test_ds, f"{cfg.dataset_name}[{cfg.dataset_test_split}]") if test_ds else []
+    train_ds, test_ds = data.load_splits(tc)
+    load = lambda ds, source: data.sft_examples(ds, tokenizer, tc.max_prompt_length, tc.max_length, source,
+                                                sft.dataset_text_field, sft.completion_only_loss,
+                                                sft.assistant_only_loss)
+    examples = load(train_ds, tc.dataset_name)
+    test = load(test_ds, f"{tc.dataset_name}[{tc.dataset_test_split}]") if test_ds else []
     items = lambda exs: [([e.input_ids], [e.loss_mask]) for e in exs]  # one scored sequence per example
     learned = lambda exs: sum(sum(e.loss_mask) for e in exs)
 
-    model = with_lora(load_causal_lm(model_path, cfg.attn_implementation, cfg.gradient_checkpointing,
-                                     cfg.load_in_4bit), cfg)
-    block_mask = uses_block_mask(model)
-    per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world  # sequences per step
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * len(train) / per_step)
-    policy = Trainable(accelerator, model, cfg, cfg.learning_rate, total_steps)
+    model = models.with_lora(models.load_causal_lm(model_path, tc.attn_implementation, tc.gradient_checkpointing,
+                                                   tc.load_in_4bit), tc)
+    block_mask = models.uses_block_mask(model)
+    per_step = tc.per_device_train_batch_size * tc.gradient_accumulation_steps * world  # sequences per step
+    total_steps = tc.total_steps(len(examples), per_step)
+    policy = train.Trainable(accelerator, model, tc, tc.learning_rate, total_steps)
+
+    start = train.resume(accelerator, tc, flags)  # 0 unless --resume_from_checkpoint
+    log = MetricsLogger(accelerator, tc.output_dir, total_steps, start, flags, tc.run_name)
 
     def evaluate(step):  # token-mean NLL over the whole held-out split, and its perplexity
-        logps = score_items(accelerator, policy.model, items(test), cfg, pad, block_mask, "eval")
+        logps = train.score_items(accelerator, policy.model, items(test), tc, pad, block_mask, "eval")
         loss = -logps.sum().item() / learned(test)
         log.log(step, {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))})
 
-    start = resume(accelerator, cfg)
-    log = MetricsLogger(accelerator, cfg.output_dir, total_steps, start, asdict(cfg), cfg.run_name)
     if start == 0:
-        local, total = param_counts(policy.model)
-        log.log(0, {"world_size": world, "params/total": total, "params/local": local, "sequences/train": len(train),
-                    "sequences/test": len(test), "learned_tokens/train": learned(train)})
+        local, total = train.param_counts(policy.model)
+        log.log(0, {"world_size": world, "params/total": total, "params/local": local,
+                    "sequences/train": len(examples), "sequences/test": len(test),
+                    "learned_tokens/train": learned(examples)})
         if test:
             evaluate(0)
 
@@ -96,32 +93,32 @@ def main():
     policy.model.train()
     for step in range(start, total_steps):
         t0 = time.time()
-        idx = step_indices(len(train), step, per_step, cfg.seed, rank, world)
-        chunks = micro_batches(cfg, idx, [len(train[i].input_ids) for i in idx])
+        idx = train.step_indices(len(examples), step, per_step, tc.seed, rank, world)
+        chunks = train.micro_batches(tc, idx, [len(examples[i].input_ids) for i in idx])
         # Token mean over the learned tokens of the whole step: each micro-batch adds sum(nll) * world / n_tokens,
         # which DDP/DeepSpeed's average over processes turns into sum over all tokens / n_tokens (global_mean_share).
-        n_tokens = reduce_metrics({"n": learned([train[i] for i in idx])})["n"]
-        tally = Tally()
+        n_tokens = train.reduce_metrics({"n": learned([examples[i] for i in idx])})["n"]
+        tally = train.Tally()
         for chunk in policy.accumulate(chunks):
-            batch = make_batch(items([train[i] for i in chunk]), cfg, pad, block_mask).to(device)
-            logps, _ = token_logprobs(forward_logits(policy.model, batch), batch)
-            policy.backward(global_mean_share(-logps, n_tokens, world))
+            batch = train.make_batch(items([examples[i] for i in chunk]), tc, pad, block_mask).to(device)
+            logps, _ = data.token_logprobs(data.forward_logits(policy.model, batch), batch)
+            policy.backward(algos.global_mean_share(-logps, n_tokens, world))
             tally.add(nll=-logps.detach(), tokens=batch.num_tokens)
         grad_norm = policy.step()
         t = tally.reduce()
         dt = time.time() - t0
         log.advance(loss=t["nll"] / n_tokens)
-        if (step + 1) % cfg.logging_steps == 0 or step == start:
+        if (step + 1) % tc.logging_steps == 0 or step == start:
             log.log(step + 1, {"loss": t["nll"] / n_tokens, "grad_norm": grad_norm,
                                "learning_rate": policy.learning_rate, "learned_tokens": n_tokens, "tokens": t["tokens"],
                                "perf/tokens_per_s": t["tokens"] / dt, "timing_s/step": dt})
-        if test and ((step + 1) % cfg.eval_steps == 0 or step + 1 == total_steps):
+        if test and ((step + 1) % tc.eval_steps == 0 or step + 1 == total_steps):
             evaluate(step + 1)
-        save_if_due(accelerator, cfg, step + 1)
+        train.save_if_due(accelerator, tc, step + 1, flags)
 
-    export_hf(accelerator, policy.model, tokenizer, os.path.join(cfg.output_dir, "final"))
+    models.export_hf(accelerator, policy.model, tokenizer, os.path.join(tc.output_dir, "final"))
     log.close(["loss", "eval/loss", "perf/tokens_per_s"])
-    destroy()
+    train.destroy()
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def run_until(cmd: list[str], done, timeout: float = 300, kill=None, **env_extra
         p.wait()
 
 
-# ---- a trainer SIGKILLed alone leaves nothing behind (verl_kit.rollout.vllm_server.OrphanGuard) --------------------
+# ---- a trainer SIGKILLed alone leaves nothing behind (verl_kit.launch.processes.OrphanGuard) -----------------------
 
 ORPHAN_BOUND_S = 10.0
 
@@ -123,10 +123,10 @@ def sigkill_alone_leaves_nothing(trainer: subprocess.Popen) -> float:
     process was gone."""
     import psutil
 
-    from verl_kit.rollout import weight_sync
+    from verl_kit.rollout import transport
 
     tree = psutil.Process(trainer.pid).children(recursive=True)
-    slots = {os.path.join(weight_sync.shm_dir(), n) for n in os.listdir(weight_sync.shm_dir())
+    slots = {os.path.join(transport.shm_dir(), n) for n in os.listdir(transport.shm_dir())
              if n.startswith(f"{trainer.pid}-")}
     engine_maps = set().union(*mappers(slots).values())
     assert len(tree) >= 2 and slots and engine_maps, (tree, slots, engine_maps)  # the engine core, its worker

@@ -16,6 +16,7 @@ import time
 import pytest
 from helpers import REPO, env, isolated, metrics
 
+from verl_kit.launch import processes
 from verl_kit.launch.cluster import launch_command, parse
 
 HEAD_IP, WORKER_IP = "10.200.0.1", "10.200.0.2"
@@ -47,8 +48,8 @@ def test_reaper_takes_the_whole_tree_down_when_its_agent_dies(tmp_path):
     launch = ("import subprocess, sys, time; "
               "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
               f"open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(120)")
-    reaper = subprocess.Popen([sys.executable, "-m", "verl_kit.launch.cluster", "_reap", "--parent", str(agent.pid),
-                               "--grace_s", "2", "--", sys.executable, "-c", launch], stdout=subprocess.PIPE)
+    reaper = subprocess.Popen(processes.reaper_command(agent.pid, [sys.executable, "-c", launch], 2),
+                              stdout=subprocess.PIPE)
     pids: list[int] = []  # the reaper, then the rank
     try:
         first = reaper.stdout.readline().decode()

@@ -4,6 +4,7 @@ sequence equal to the engine's sampled ids plus the environment's (HF generate h
 tier, colocated vLLM in tests/test_vllm.py's driver), and a TRL-style environment class running unchanged through
 recipes/grpo.py."""
 
+import contextlib
 import copy
 import json
 import time
@@ -36,6 +37,9 @@ class Scripted:
         ids = torch.tensor([ids] * len(prompts))
         return Rollout(prompts, ids, torch.ones_like(ids, dtype=torch.bool), torch.full(ids.shape, -0.5),
                        torch.zeros(len(prompts), dtype=torch.bool))
+
+    def keep_prefixes(self):
+        return contextlib.nullcontext()
 
 
 def add(a: int, b: int) -> int:
@@ -114,8 +118,8 @@ def test_calculator_example_environment(tokenizer):
                       max_prompt_length=1024, max_completion_length=400).run([row], [1], SamplingParams())
         assert ro.episodes[0]["messages"][-2]["content"] == "<tool_response>\n560868\n</tool_response>"
         assert ro.env_reward.tolist() == [reward] and ro.episodes[0]["tool_calls"] == 1
-        scores = Rewards("none", None, None, tokenizer=tokenizer, env_reward=True).of_rollout([row], ro)
-        assert scores.tolist() == [reward]
+        scored = Rewards("none", None, None, tokenizer=tokenizer, env_reward=True).of_rollout([row], ro)
+        assert scored.total.tolist() == [reward]
         if reward:  # the warm-start trace of this row (SFT messages) renders to exactly this episode's tokens
             traces = load_object("traces", "examples/environments.py:calculator_traces")
             messages = traces([row], "tiny-llama")[0]["messages"]
@@ -157,20 +161,21 @@ def test_multi_environment_rows_choose_their_environment(model, request):
     after two follow-ups: 1/4 - 0.2; Strict: 2), logged per environment (env/<name>/*, eval/env/<name>/reward_mean).
     An unknown or missing name, and a half-named flag, are one line.
     On the tiny and the real model's template (SmolLM2: no tool support, the tools in the system message)."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
+    from verl_kit.config import EnvironmentConfig
     from verl_kit.models.loading import load_tokenizer
+    from verl_kit.rollout import Scores
     from verl_kit.rollout.episodes import make_episodes
     from verl_kit.rollout.prompts import Prompts, episode_metrics, evaluate
 
     tok = request.getfixturevalue("tokenizer") if model == "tiny" else load_tokenizer(request.getfixturevalue(
         "smollm2_path"))
     call = '<tool_call>{"name": "calculate", "arguments": {"expression": "924 * 607"}}</tool_call>'
-    cfg = SimpleNamespace(environment_factory="calc=examples/environments.py:Calculator, "
-                                              "kind=examples/environments.py:KindFeedback", tools=None,
-                          max_tool_calling_iterations=None, tool_timeout_s=5.0, max_prompt_length=1024,
-                          max_completion_length=400)
-    eps = make_episodes(cfg, Scripted(tok, [call, "560868", "lovely"]), tok, model)
+    cfg = EnvironmentConfig(environment_factory="calc=examples/environments.py:Calculator, "
+                                                "kind=examples/environments.py:KindFeedback", tool_timeout_s=5.0)
+    eps = make_episodes(cfg, Scripted(tok, [call, "560868", "lovely"]), tok, model, 1024, 400)
     eps.env_factories["strict"] = Strict
     q = [{"role": "user", "content": "What is 924 * 607?"}]
     rows = [{"prompt": q, "answer": "560868", "environment": e} for e in ("calc", "kind", "strict")]
@@ -191,10 +196,10 @@ def test_multi_environment_rows_choose_their_environment(model, request):
         **{f"env/{name}/{k}": v for name in ("calc", "kind", "strict")
            for k, v in (("share", third), ("tool_failure_frequency", 0.0))}})
     eps.engine.texts += [call, "560868", "lovely"]
-    engine = SimpleNamespace(episodes=eps, generate=lambda prompts, params, rows, row_numbers: eps.run(
-        rows, row_numbers, params))
-    held_out = evaluate(SimpleNamespace(num_processes=1, process_index=0, is_main_process=False), engine,
-                        Prompts(rows, [[0]] * 3), SamplingParams(), lambda rows, ro: ro.env_reward, 3)
+    split = Prompts(rows, [[0]] * 3)
+    held_out = evaluate(SimpleNamespace(num_processes=1, process_index=0, is_main_process=False),
+                        lambda idx, params: eps.generate(split, idx, params, "the held-out split"), split,
+                        SamplingParams(), lambda rows, ro: Scores(ro.env_reward), 3, environments=eps.environments)
     assert {k: v for k, v in held_out.items() if k.startswith("eval/env/")} == pytest.approx({
         "eval/env/calc/reward_mean": 1.0, "eval/env/kind/reward_mean": 0.05, "eval/env/strict/reward_mean": 2.0})
     for bad, shown in (({**rows[0], "environment": "chess"}, "'chess'"), (dict(ROW), "None")):
@@ -202,7 +207,7 @@ def test_multi_environment_rows_choose_their_environment(model, request):
                                             r"\['calc', 'kind', 'strict'\] \(--environment_factory\)$"):
             eps.run([bad], [4], SamplingParams())
     with pytest.raises(UserError, match=r"^--environment_factory .*: name every environment once"):
-        make_episodes(SimpleNamespace(**{**vars(cfg), "environment_factory": "a=x.py:A,x.py:B"}), None, tok, model)
+        make_episodes(replace(cfg, environment_factory="a=x.py:A,x.py:B"), None, tok, model, 1024, 400)
 
 
 class Again:
@@ -233,7 +238,7 @@ class Recording:
 
 
 class Whole:
-    """The HF-generate backend without keep_prefixes: every turn prefills the whole episode."""
+    """The HF-generate backend with keep_prefixes a no-op: every turn prefills the whole episode."""
 
     per_sample_seeds = False
 
@@ -242,6 +247,9 @@ class Whole:
 
     def generate(self, prompts, params):
         return self.engine.generate(prompts, params)
+
+    def keep_prefixes(self):
+        return contextlib.nullcontext()
 
 
 def episode_is_token_exact(ro, calls, pad) -> int:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from verl_kit.algos import MODES, importance_weights, mismatch_metrics, policy_loss, step_metrics
+from verl_kit.algos import MODES, clipped_surrogate, importance_weights, mismatch_metrics, step_metrics
 from verl_kit.train import Tally
 
 # Four tokens of one sequence each, as (trainer probability, engine probability) -> ratio pi_old / mu:
@@ -108,13 +108,13 @@ def test_weights_are_one_when_engine_and_trainer_agree():
 def test_weights_are_detached_and_scale_the_policy_gradient():
     """The weight is a constant: no graph through old_logprobs. Multiplying the per-token loss by it scales each
     token's gradient by it. clip 0.2, logprobs = old (ratio 1, unclipped), A = [1, -1, 2, 1]: the gradient of
-    policy_loss is -A * 1 = [-1, 1, -2, -1]; with weights [0.5, 1.5, 2.5, 3] it is [-0.5, 1.5, -5, -3]."""
+    clipped_surrogate is -A * 1 = [-1, 1, -2, -1]; with weights [0.5, 1.5, 2.5, 3] it is [-0.5, 1.5, -5, -3]."""
     old = TOKEN_OLD.clone().requires_grad_(True)
     w = importance_weights(old, TOKEN_SAMPLING, TOKEN_SEQ, 4, "token_truncate")
     assert not w.requires_grad and w.grad_fn is None
     logprobs = TOKEN_OLD.clone().requires_grad_(True)
     adv = torch.tensor([1.0, -1.0, 2.0, 1.0])
-    (policy_loss(logprobs, TOKEN_OLD, adv, 0.2) * w).sum().backward()
+    (clipped_surrogate(logprobs - TOKEN_OLD, adv, 0.2) * w).sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([-0.5, 1.5, -5.0, -3.0]))
     assert old.grad is None
 

@@ -2,7 +2,7 @@
 trainer alone (an OOM kill, `kill -9 PID`): its process group and every process it started live on, no atexit or
 finalizer runs. Within ORPHAN_BOUND_S of the kill no process the trainer had under it (by parent chain, collected just
 before the kill) may remain, nothing may still map the run's weight-sync slots, and the slots (and vLLM's own
-shared-memory queues) are removed. The processes are stopped by verl_kit.rollout.vllm_server.OrphanGuard.
+shared-memory queues) are removed. The processes are stopped by verl_kit.launch.processes.OrphanGuard.
 
 The guard itself is tested here, on stand-ins. The colocated engine (`--rollout vllm`: vLLM's EngineCore and its
 Worker, which vLLM starts as the trainer's child and grandchild) is tested where a run is killed anyway:
@@ -23,7 +23,8 @@ from helpers import ORPHAN_BOUND_S, REPO, alive, env
 GUARD_DRIVER = r"""
 import json, os, subprocess, sys, time
 import psutil
-from verl_kit.rollout import vllm_server
+from verl_kit.launch import processes
+from verl_kit.rollout import transport
 
 
 def with_child(proc):
@@ -32,7 +33,8 @@ def with_child(proc):
     return proc
 
 
-vllm_server._guard = guard = vllm_server.OrphanGuard(grace_s=1.0)
+processes._guard = guard = processes.OrphanGuard(grace_s=1.0,
+                                                 files=(transport.slot_dir(), transport.SLOT_NAME.pattern))
 sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
 stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"]
 parent = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(600)"]

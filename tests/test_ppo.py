@@ -59,7 +59,7 @@ def test_evaluate_scores_every_held_out_prompt_once(tiny_model_path, tokenizer):
     from accelerate import Accelerator
 
     from verl_kit.models import load_causal_lm
-    from verl_kit.rollout import Prompts, evaluate
+    from verl_kit.rollout import Prompts, Scores, evaluate
 
     engine = HFGenerateBackend(load_causal_lm(tiny_model_path).eval(), tokenizer, "cpu", torch.float32)
     prompts = [[5, 6, 7 + i] for i in range(5)]
@@ -67,10 +67,13 @@ def test_evaluate_scores_every_held_out_prompt_once(tiny_model_path, tokenizer):
 
     def score(raw, ro):
         lengths.append(ro.response_mask.sum(-1))
-        return torch.tensor(raw, dtype=torch.float32)
+        return Scores(torch.tensor(raw, dtype=torch.float32))
 
     state = torch.get_rng_state()
-    out = evaluate(Accelerator(cpu=True), engine, Prompts(list(range(5)), prompts),
+    def generate(idx, params):
+        return engine.generate([prompts[i] for i in idx], params)
+
+    out = evaluate(Accelerator(cpu=True), generate, Prompts(list(range(5)), prompts),
                    SamplingParams(max_new_tokens=6, n=3), score, batch_size=2)
     assert torch.equal(torch.get_rng_state(), state)
     assert out["eval/reward_mean"] == 2.0

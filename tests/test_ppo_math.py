@@ -9,13 +9,13 @@ import torch
 from verl_kit.algos import (
     AdaptiveKLController,
     FixedKLController,
+    clipped_surrogate,
+    clipped_tokens,
     entropy_from_logits,
     gae,
     global_mean_share,
     kl_estimate,
     masked_moments,
-    policy_clipped,
-    policy_loss,
     token_rewards,
     truncation_penalty,
     value_clipped,
@@ -154,11 +154,11 @@ def test_policy_loss_hand_values():
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
     old = torch.zeros(4)
     logp = ratio.log()
-    torch.testing.assert_close(policy_loss(logp, old, adv, 0.2), torch.tensor([-1.2, 1.5, -0.5, 0.8]))
-    torch.testing.assert_close(policy_clipped(logp, old, adv, 0.2), torch.tensor([1.0, 0.0, 0.0, 1.0]))
+    torch.testing.assert_close(clipped_surrogate(logp - old, adv, 0.2), torch.tensor([-1.2, 1.5, -0.5, 0.8]))
+    torch.testing.assert_close(clipped_tokens(logp - old, adv, 0.2), torch.tensor([1.0, 0.0, 0.0, 1.0]))
     # the gradient of a clipped token is zero, of an unclipped one -A * r
     logp = logp.clone().requires_grad_(True)
-    policy_loss(logp, old, adv, 0.2).sum().backward()
+    clipped_surrogate(logp - old, adv, 0.2).sum().backward()
     torch.testing.assert_close(logp.grad, torch.tensor([0.0, 1.5, -0.5, 0.0]))
 
 

@@ -205,7 +205,8 @@ def test_arith_task_data_rewards_and_two_grpo_steps(smollm2_path, tmp_path):
     truncated = torch.zeros(len(completions), dtype=torch.bool)
     for spec, want in (("verl_kit.rewards:math_answer", [1.0, 0.0, 1.0]),  # the echo: math-verify evaluates a + b
                        ("verl_kit.rewards:final_number", [1.0, 0.0, 0.0])):
-        got = Rewards(spec, None, None)([r["prompt"] for r in rows], completions, truncated, reward_columns(rows))
+        rewards = Rewards(spec, None, None)
+        got = rewards.total(rewards.sources([r["prompt"] for r in rows], completions, reward_columns(rows)), truncated)
         assert got.tolist() == want, spec
 
     out = tmp_path / "run"

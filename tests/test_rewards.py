@@ -24,6 +24,11 @@ from verl_kit.rewards import (
 RM_TEMPLATE = "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
 
 
+def score(rewards: Rewards, prompts, completions, truncated, columns=None) -> torch.Tensor:
+    """The weighted total (B,) of every source's scores, as Rewards.of_rollout forms it (without a Rollout)."""
+    return rewards.total(rewards.sources(prompts, completions, columns), truncated)
+
+
 def build_reward_model(out: str) -> str:
     """A tiny LlamaForSequenceClassification over a *different* tokenizer: a 300-token BPE trained on other text,
     other special tokens and another chat template than the policy's. Written to `out`; returns it."""
@@ -154,14 +159,13 @@ def test_reward_file_reads_the_answer_column_beside_a_two_argument_fn(tmp_path):
     assert columns == {"answer": [2, 2, 5, 5], "level": ["easy", "easy", "hard", "hard"]}
     prompts = [r["prompt"] for r in rows]
     completions = ["kind 2", "3", "it is 5", "lovely 4"]
-    scores = rewards(prompts, completions, torch.tensor([False, False, False, True]), columns)
+    scores = score(rewards, prompts, completions, torch.tensor([False, False, False, True]), columns)
     torch.testing.assert_close(scores, torch.tensor([1 + 0.5, 0.0, 1.0, 0 + 0.5 - 1.0]))
     with pytest.raises(UserError, match=r"^reward function .*my_reward.py:reward needs column 'answer', which the data "
                                         r"does not have \(columns: 'level'\)$"):
-        rewards(prompts, completions, torch.zeros(4, dtype=torch.bool), {"level": columns["level"]})
-    torch.testing.assert_close(Rewards("verl_kit.rewards:kind_words", None, None)(prompts, completions,
-                                                                                   torch.zeros(4, dtype=torch.bool)),
-                               torch.tensor([1.0, 0.0, 0.0, 1.0]))
+        score(rewards, prompts, completions, torch.zeros(4, dtype=torch.bool), {"level": columns["level"]})
+    torch.testing.assert_close(score(Rewards("verl_kit.rewards:kind_words", None, None), prompts, completions,
+                                     torch.zeros(4, dtype=torch.bool)), torch.tensor([1.0, 0.0, 0.0, 1.0]))
 
 
 def test_each_reward_source_is_logged(tmp_path, tokenizer):
@@ -171,7 +175,7 @@ def test_each_reward_source_is_logged(tmp_path, tokenizer):
     dynamic sampling's concat and select."""
     from verl_kit.rollout import Rollout
     from verl_kit.rollout.prompts import rollout_metrics
-    from verl_kit.rollout.types import concat_rollouts, select_rows
+    from verl_kit.rollout.types import Scores
 
     f = tmp_path / "my_reward.py"
     f.write_text(USER_REWARD)
@@ -184,16 +188,17 @@ def test_each_reward_source_is_logged(tmp_path, tokenizer):
     mask = torch.tensor([[j < len(x) for j in range(R)] for x in ids])
     ro = Rollout([[1, 2]] * 4, response, mask, torch.zeros(response.shape), torch.tensor([False, False, False, True]),
                  env_reward=torch.tensor([0.0, 1.0, 0.0, 2.0]))
-    scores = rewards.of_rollout(rows, ro)
-    torch.testing.assert_close(scores, torch.tensor([1 + 0.5, 0 + 1.0, 1.0, 0.5 - 1.0 + 2.0]))
-    m = rollout_metrics(ro, scores, 1.0)
+    scored = rewards.of_rollout(rows, ro)
+    torch.testing.assert_close(scored.total, torch.tensor([1 + 0.5, 0 + 1.0, 1.0, 0.5 - 1.0 + 2.0]))
+    m = rollout_metrics(ro, scored, 1.0)
     assert m["reward/mean"] == pytest.approx(1.25)
     assert (m["rewards/reward/mean"], m["rewards/reward/std"]) == pytest.approx((0.5, 0.5))  # 1, 0, 1, 0
     assert (m["rewards/kind_words/mean"], m["rewards/kind_words/std"]) == pytest.approx((0.5, 0.5))  # unweighted
     assert (m["rewards/environment/mean"], m["rewards/environment/std"]) == pytest.approx((0.75, 0.8291562))
-    kept = select_rows(concat_rollouts([ro, ro]), [7, 0])
-    assert {k: v.tolist() for k, v in kept.reward_sources.items()} == {"reward": [0.0, 1.0], "kind_words": [1.0, 1.0],
-                                                                       "environment": [2.0, 0.0]}
+    kept = Scores.concat([scored, scored]).select([7, 0])
+    assert kept.total.tolist() == [1.5, 1.5]
+    assert {k: v.tolist() for k, v in kept.sources.items()} == {"reward": [0.0, 1.0], "kind_words": [1.0, 1.0],
+                                                                "environment": [2.0, 0.0]}
 
 
 def test_calling_conventions_follow_the_signature():
@@ -273,11 +278,11 @@ def test_math_answer_reference_column_and_errors():
     rewards = Rewards("verl_kit.rewards:math_answer", None, None)
     with pytest.raises(UserError, match=r"^reward function math_answer needs a reference column 'answer' or "
                                         r"'solution'; the data has 'level'$"):
-        rewards(["q"], ["4"], torch.zeros(1, dtype=torch.bool), {"level": ["easy"]})
+        score(rewards, ["q"], ["4"], torch.zeros(1, dtype=torch.bool), {"level": ["easy"]})
     with pytest.raises(UserError, match=r"^reward function math_answer needs .*; the data has no other columns$"):
-        rewards(["q"], ["4"], torch.zeros(1, dtype=torch.bool))
+        score(rewards, ["q"], ["4"], torch.zeros(1, dtype=torch.bool))
     with pytest.raises(UserError, match=r"^reward function math_answer: the answer of sample 1 \('none'\) holds "):
-        rewards(["q"] * 2, ["4", "4"], torch.zeros(2, dtype=torch.bool), {"answer": ["4", "none"]})
+        score(rewards, ["q"] * 2, ["4", "4"], torch.zeros(2, dtype=torch.bool), {"answer": ["4", "none"]})
 
 
 def test_boxed_format():

@@ -234,7 +234,8 @@ def test_server_sync_matches_trained_policy(client, tokenizer, tiny_model_path):
 
 def test_unreachable_server_is_a_user_error(tokenizer):
     from verl_kit.errors import UserError
-    from verl_kit.rollout import VLLMServer, free_port
+    from verl_kit.rollout import VLLMServer
+    from verl_kit.rollout.vllm_server import free_port
 
     t0 = time.time()
     with pytest.raises(UserError, match="no vLLM server answers"):
@@ -394,7 +395,7 @@ def test_owned_server_needs_an_api_key_beyond_loopback_and_fails_fast_when_kille
     is SIGKILLed while a long generation is in flight: the client sees the connection drop, retries with backoff
     against a dead port and raises a RuntimeError naming the server, in seconds rather than a hang."""
     from verl_kit.errors import UserError
-    from verl_kit.rollout import serve_command
+    from verl_kit.rollout.vllm_server import serve_command
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     with pytest.raises(UserError, match="VLLM_API_KEY"):

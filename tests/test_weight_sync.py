@@ -6,7 +6,7 @@ ZeRO-3 GRPO run on the tied model; then the same-host (shared-memory) transport 
 the slots' life cycle.
 
 An update (one AdamW step) moves the trainer's probe log-probs by more than 1e-2; after the sync the engine's must
-have moved as well and match the trainer's within 1e-4 (measured: ~1e-6). Before the fix in verl_kit/weight_sync.py
+have moved as well and match the trainer's within 1e-4 (measured: ~1e-6). Before the fix in rollout/worker_extension.py
 a tied engine scored with the output layer of its first load: 0.5 to 2 nats off after one such step."""
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ def test_same_host_transport(vllm_server, tiny_model_path, tmp_path, monkeypatch
     import requests
 
     from verl_kit.models import load_causal_lm, load_tokenizer
-    from verl_kit.rollout import VLLMServer, is_loopback_url, max_abs_diff, trainer_logprobs, weight_sync
+    from verl_kit.rollout import VLLMServer, max_abs_diff, trainer_logprobs, transport, weight_sync
+    from verl_kit.rollout.vllm_server import is_loopback_url
 
     assert is_loopback_url("http://127.0.0.1:8000") and is_loopback_url("http://localhost:1")
     assert not is_loopback_url("http://10.0.0.2:8000") and not is_loopback_url("http://example.org")
@@ -161,27 +162,27 @@ def test_same_host_transport(vllm_server, tiny_model_path, tmp_path, monkeypatch
     client.transport = "auto"
     others = slot_mappings(server.proc.pid)  # slots of other clients still mapped (none when they closed)
     sent, inline_sent = [], []
-    shared_encode, encode = weight_sync.SharedBuckets.encode, weight_sync.encode
-    monkeypatch.setattr(weight_sync.SharedBuckets, "encode", lambda *a: sent.append(shared_encode(*a)) or sent[-1])
+    shared_encode, encode = transport.SharedBuckets.encode, weight_sync.encode
+    monkeypatch.setattr(transport.SharedBuckets, "encode", lambda *a: sent.append(shared_encode(*a)) or sent[-1])
     monkeypatch.setattr(weight_sync, "encode", lambda *a: inline_sent.append(encode(*a)) or inline_sent[-1])
     for i in range(2):  # two updates, two syncs
         out = sync_check(client, model, tok, prompts)
         assert_synced(out)
         assert i or out["before"] < 1e-4, out  # the engine started from the trainer's weights
-    assert len(sent) > 2 and not inline_sent and all(b.startswith(weight_sync.SHM_PREFIX) for b in sent)
-    refs = [json.loads(b[len(weight_sync.SHM_PREFIX):]) for b in sent]
+    assert len(sent) > 2 and not inline_sent and all(b.startswith(transport.SHM_PREFIX) for b in sent)
+    refs = [json.loads(b[len(transport.SHM_PREFIX):]) for b in sent]
     half = len(refs) // 2
     assert [p for p, _ in refs[:half]] == [p for p, _ in refs[half:]], refs  # the same slots, both syncs
     assert len({t for _, t in refs}) == len(refs)  # a fresh token per write
     files = [p for p, _ in refs[half:]]
-    assert all(os.path.dirname(f) == weight_sync.shm_dir() and os.path.exists(f) for f in files), files
+    assert all(os.path.dirname(f) == transport.shm_dir() and os.path.exists(f) for f in files), files
     for _, buf in client._shared.slots:
         buf[:] = bytes(len(buf))
     engine = client.score(prompts)
     trainer = trainer_logprobs(model, prompts)
     assert max_abs_diff(engine, trainer) < 1e-4
 
-    folder = weight_sync.shm_dir()
+    folder = transport.shm_dir()
     outside = tmp_path / f"{os.getpid()}-{'a' * 32}.safetensors"
     outside.write_bytes(b"x" * 64)
     inside = os.path.join(folder, "decoy.safetensors")
@@ -192,7 +193,7 @@ def test_same_host_transport(vllm_server, tiny_model_path, tmp_path, monkeypatch
         for ref in (str(outside), inside, link, os.path.join(folder, "..", os.path.basename(folder),
                                                              f"{os.getpid()}-{'c' * 32}.safetensors"),
                     "/etc/hostname"):
-            blob = weight_sync.SHM_PREFIX + json.dumps([ref, "0" * 32])
+            blob = transport.SHM_PREFIX + json.dumps([ref, "0" * 32])
             r = requests.post(server.url + "/collective_rpc", json={"method": "verl_kit_stage", "args": [blob]},
                               timeout=60)
             assert r.status_code >= 400, (ref, r.status_code, r.text[:300])
@@ -205,7 +206,7 @@ def test_same_host_transport(vllm_server, tiny_model_path, tmp_path, monkeypatch
     client.transport = "inline"  # --vllm_weight_sync_transport inline
     out = sync_check(client, model, tok, prompts)
     assert_synced(out)
-    assert inline_sent and not sent and not any(b.startswith(weight_sync.SHM_PREFIX) for b in inline_sent)
+    assert inline_sent and not sent and not any(b.startswith(transport.SHM_PREFIX) for b in inline_sent)
     client.transport = "auto"
     assert_synced(sync_check(client, model, tok, prompts))  # the slots again, so the server maps them
     assert slot_mappings(server.proc.pid) == others | set(files)
@@ -219,9 +220,9 @@ def slot_mappings(pid: int) -> set[str]:
     """The slot files that process `pid` or any of its descendants (the engine's worker) has mapped."""
     import psutil
 
-    from verl_kit.rollout import weight_sync
+    from verl_kit.rollout import transport
 
-    folder, found = weight_sync.shm_dir(), set()
+    folder, found = transport.shm_dir(), set()
     root = psutil.Process(pid)
     for p in [root, *root.children(recursive=True)]:
         with open(f"/proc/{p.pid}/maps") as f:
@@ -254,9 +255,9 @@ def test_grpo_zero3_tied_model_with_vllm(tiny_tied_path, tmp_path):
 def test_sweep_removes_buckets_of_dead_writers():
     """A trainer SIGKILLed (or one that never closed its backend) leaves its slot files in /dev/shm: the next process
     that syncs removes the files of writers that are gone, and only those."""
-    from verl_kit.rollout import weight_sync
+    from verl_kit.rollout import transport
 
-    folder = weight_sync.shm_dir()
+    folder = transport.shm_dir()
     dead = subprocess.Popen(["true"])
     dead.wait()
     orphan = os.path.join(folder, f"{dead.pid}-{'d' * 32}.safetensors")
@@ -265,7 +266,7 @@ def test_sweep_removes_buckets_of_dead_writers():
     for path in (orphan, mine, other):
         open(path, "wb").write(b"x")
     try:
-        assert weight_sync.sweep_orphans(folder) == [orphan]
+        assert transport.sweep_orphans(folder) == [orphan]
         assert not os.path.exists(orphan) and os.path.exists(mine) and os.path.exists(other)
     finally:
         for path in (orphan, mine, other):
@@ -278,40 +279,40 @@ def test_slots_round_trip_reuse_and_refusals():
     of mixed dtypes and an alias arrive exactly; the next write of a bucket of the same size reuses the slot file
     with a fresh token, so the previous reference is refused; a larger bucket gets a new slot and the old file goes;
     the worker forgets mappings of slots no longer in use; close() removes the files."""
-    from verl_kit.rollout import weight_sync
+    from verl_kit.rollout import transport
 
-    shared = weight_sync.SharedBuckets()
+    shared = transport.SharedBuckets()
     first = {"model.embed_tokens.weight": torch.randn(3, 5), "model.norm.weight": torch.randn(7).bfloat16(),
              "positions": torch.arange(4)}
     try:
         blob = shared.encode(0, first, {"lm_head.weight": "model.embed_tokens.weight"})
-        got, aliases = weight_sync.decode(blob)
+        got, aliases = transport.decode(blob)
         assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
         assert got.keys() == first.keys() and all(torch.equal(got[k], v) for k, v in first.items())
         path = shared.slots[0][0]
-        assert os.path.dirname(path) == weight_sync.shm_dir() and os.stat(path).st_mode & 0o777 == 0o600
+        assert os.path.dirname(path) == transport.shm_dir() and os.stat(path).st_mode & 0o777 == 0o600
 
         second = {k: v + 1 for k, v in first.items()}
         blob2 = shared.encode(0, second)
         assert shared.slots[0][0] == path and blob2 != blob
-        got, aliases = weight_sync.decode(blob2)
+        got, aliases = transport.decode(blob2)
         assert aliases == {} and all(torch.equal(got[k], v) for k, v in second.items())
         with pytest.raises(PermissionError, match="token"):
-            weight_sync.decode(blob)
+            transport.decode(blob)
 
         big = torch.randn(64, 64)
         blob3 = shared.encode(0, {"model.embed_tokens.weight": big})
         new_path = shared.slots[0][0]
         assert new_path != path and not os.path.exists(path)
-        assert torch.equal(weight_sync.decode(blob3)[0]["model.embed_tokens.weight"], big)
+        assert torch.equal(transport.decode(blob3)[0]["model.embed_tokens.weight"], big)
         del got
-        weight_sync.release_mappings({new_path})
-        assert set(weight_sync._MAPPED) == {new_path}
+        transport.release_mappings({new_path})
+        assert set(transport._MAPPED) == {new_path}
     finally:
         shared.close()
     assert not shared.slots and not os.path.exists(path) and not os.path.exists(new_path)
 
-    dropped = weight_sync.SharedBuckets()  # a run that fails never calls close(): the slots go with the object
+    dropped = transport.SharedBuckets()  # a run that fails never calls close(): the slots go with the object
     dropped.encode(0, first)
     orphan = dropped.slots[0][0]
     assert os.path.exists(orphan)
@@ -322,18 +323,18 @@ def test_slots_round_trip_reuse_and_refusals():
 FULL_SHM_DRIVER = r'''
 import json, logging, os, sys
 import torch
-from verl_kit.rollout import weight_sync
+from verl_kit.rollout import transport, weight_sync
 from verl_kit.models import load_causal_lm
 
 logging.basicConfig(level=logging.WARNING)
 model = load_causal_lm(sys.argv[1], "sdpa")
-shared = weight_sync.SharedBuckets()
+shared = transport.SharedBuckets()
 got, kinds = {}, []
 
 def push(blobs, seconds):  # the worker's end: decode every bucket (a slot reference or inline base64)
-    kinds.append(["shm" if b.startswith(weight_sync.SHM_PREFIX) else "inline" for b in blobs])
+    kinds.append(["shm" if b.startswith(transport.SHM_PREFIX) else "inline" for b in blobs])
     for b in blobs:
-        got.update({k: v.clone() for k, v in weight_sync.decode(b)[0].items()})
+        got.update({k: v.clone() for k, v in transport.decode(b)[0].items()})
 
 syncs = []
 for i in range(2):
@@ -344,7 +345,7 @@ for i in range(2):
     weight_sync.sync_weights(model, push, lambda seconds: None, 0.25, 60, shared)
     exact = all(torch.equal(got[weight_sync.engine_name(n)], p) for n, p in model.named_parameters())
     syncs.append({"kinds": kinds[:], "exact": exact, "slots": len(shared.slots)})
-print("RESULT " + json.dumps({"syncs": syncs, "left": os.listdir(weight_sync.shm_dir())}), flush=True)
+print("RESULT " + json.dumps({"syncs": syncs, "left": os.listdir(transport.shm_dir())}), flush=True)
 '''
 
 

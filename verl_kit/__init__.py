@@ -7,7 +7,7 @@ GRPO). Its subpackages follow the data path of a step:
     rewards   reward functions and reward models                     (verl_kit.rewards)
     algos     the maths: advantages, losses, reductions (torch only) (verl_kit.algos)
     train     the optimizer-step path, distributed helpers, resume   (verl_kit.train)
-    launch    Ray multi-node launches                                (verl_kit.launch)
+    launch    process supervision, Ray multi-node launches           (verl_kit.launch)
 
 with config (recipe flags), metrics (logging) and errors (one-line user errors) at the top. Lower layers never import
 higher ones: algos imports only torch, data nothing of rollout or train, config nothing that pulls in vLLM.

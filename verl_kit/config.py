@@ -1,9 +1,16 @@
-"""Recipe configuration: one dataclass per recipe, parsed from the command line and an optional `--config file.yaml`
-(command line wins) by TRL's TrlParser. Every user mistake becomes a one-line UserError that names the flag."""
+"""Recipe configuration by role. A recipe names the dataclasses it parses in `ARGS` (e.g. `train=TrainConfig,
+rollout=RolloutConfig, rewards=RewardConfig` and its own algorithm's class) and `parse(**ARGS)` reads them all from the
+command line and an optional `--config file.yaml` (command line wins; TRL's TrlParser, one flat namespace of flags)
+into one `Args`: `cfg.train.learning_rate`, `cfg.rollout.temperature`. Each class checks its own fields in
+`__post_init__` (types, allowed values, ranges) and a rule that spans two roles in `check_with(cfg)`, so a recipe's
+`main` has no check block; every mistake is a one-line UserError naming the flag. A kit function takes the piece it
+needs, never the whole config."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 import sys
 import types
@@ -16,11 +23,45 @@ from verl_kit.errors import UserError
 from verl_kit.models.lora import check_flags as check_lora_flags
 from verl_kit.models.tiny import TINY_MODEL_NAME, TINY_PREFS
 
+logger = logging.getLogger("verl_kit")
+
+
+def warn(message: str) -> None:
+    """A flag's warning, printed once (by process 0) while the config is parsed."""
+    if os.environ.get("RANK", "0") == "0":
+        logger.warning(message)
+
 
 @dataclass
-class TrainConfig:
-    """Fields every recipe shares, named as in transformers/TRL so that existing configs carry over. `CHOICES` names
-    the allowed values of a field; a subclass adds its own (parse_args checks them all, from the CLI and from yaml)."""
+class Config:
+    """The base of every config class: `CHOICES` names the allowed values of a field (a subclass adds its own);
+    `__post_init__` checks every field's type (yaml values bypass argparse's conversion) and allowed values."""
+
+    CHOICES: ClassVar[dict] = {}
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        allowed = choices(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _check_type(f.name, value, hints[f.name])
+            if f.name in allowed and value not in allowed[f.name]:
+                raise UserError(f"--{f.name}: {value!r} is not one of {', '.join(map(str, allowed[f.name]))}")
+
+    def check_with(self, cfg: Args) -> None:
+        """Rules that span this class and another of the recipe's (`cfg.of(OtherConfig)`); none by default."""
+
+    def at_least(self, low: int, *names: str) -> None:
+        """One line naming the first of `names` below `low`."""
+        for name in names:
+            if getattr(self, name) < low:
+                raise UserError(f"--{name}: must be >= {low}, got {getattr(self, name)}")
+
+
+@dataclass
+class TrainConfig(Config):
+    """What every recipe shares: the model and its LoRA adapter, the data, the optimizer and its schedule, packing and
+    micro-batches, checkpoints and logging; named as in transformers/TRL so that existing configs carry over."""
 
     CHOICES: ClassVar[dict] = {"report_to": ("none", "wandb", "tensorboard"),
                                "attn_implementation": (None, "sdpa", "eager", "flash_attention_2")}
@@ -79,6 +120,21 @@ class TrainConfig:
         "help": "comma-separated module names to adapt (q_proj,v_proj); default all-linear: every linear layer of "
                 "the decoder, not the output layer"})
 
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.dataset_test_split, str) and self.dataset_test_split.lower() == "none":
+            self.dataset_test_split = None
+        self.at_least(1, "per_device_train_batch_size", "max_length", "packing_length", "logging_steps",
+                      "eval_steps")
+        check_lora_flags(self, types.SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(self)}))
+        if self.max_prompt_length >= self.max_length:
+            raise UserError(f"--max_prompt_length ({self.max_prompt_length}) must be below --max_length "
+                            f"({self.max_length}) to leave room for the completion")
+
+    def total_steps(self, examples: int, per_step: int) -> int:
+        """Optimizer steps of the run: --max_steps, or --num_train_epochs over `examples` taken `per_step` a step."""
+        return self.max_steps if self.max_steps > 0 else math.ceil(self.num_train_epochs * examples / per_step)
+
 
 @dataclass
 class OfflineConfig(TrainConfig):
@@ -90,16 +146,72 @@ class OfflineConfig(TrainConfig):
         "help": "QLoRA (with --use_peft): 4-bit NF4 base weights through bitsandbytes; GPU only, one process or "
                 "DDP (not ZeRO-3); untested in CI (no GPU)"})
 
+    def __post_init__(self):
+        super().__post_init__()
+        self.at_least(1, "gradient_accumulation_steps")
+
 
 @dataclass
-class RolloutConfig:
-    """Rollout backend flags, mixed into OnlineConfig."""
+class RolloutConfig(Config):
+    """How the online recipes sample: prompts per step, the sampling settings, the `--rollout` backend, rollouts
+    generated ahead of the trainer (`--async_rollout`) and the held-out evaluation's sampling. A step is
+    `prompts_per_step` prompts over all processes; the recipe's own class says how many responses each gets."""
 
-    CHOICES: ClassVar[dict] = {"rollout": ("hf", "vllm", "vllm-server"),  # the one list of backend names
-                               "vllm_weight_sync_transport": ("auto", "inline")}
+    CHOICES: ClassVar[dict] = {"rollout": ("hf", "vllm", "vllm-server")}  # the one list of backend names
 
     rollout: str = field(default="hf", metadata={
         "help": "hf (HF generate), vllm (a vLLM engine in each training process) or vllm-server"})
+    prompts_per_step: int = field(default=32, metadata={"help": "prompts per step over all processes"})
+    max_completion_length: int = field(default=16, metadata={"help": "max new tokens per response"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (also applied to log-probs)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling; 1.0 keeps every token"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling; 0 keeps every token"})
+    ignore_eos: bool = field(default=False, metadata={"help": "always generate max_completion_length (benchmarks)"})
+    async_rollout: bool = field(default=False, metadata={
+        "help": "generate the next steps' rollouts while the trainer updates (vLLM backends; see "
+                "verl_kit.rollout.rollouts): the batch of step t comes from the policy of step t - max_staleness"})
+    max_staleness: int = field(default=1, metadata={
+        "help": "--async_rollout: steps the rollouts run ahead of the trainer (1: one-step-off; 0: no overlap)"})
+    rollout_timeout_s: float = field(default=1800, metadata={
+        "help": "--async_rollout: seconds to wait for a batch's generation before the run fails"})
+    num_generations_eval: int = field(default=1, metadata={
+        "help": "held-out evaluation: responses sampled per prompt; above 1 also logs eval/pass@k for k = 1, 2, "
+                "4, ... <= n (unbiased estimator, Chen et al. 2021)"})
+    pass_threshold: float = field(default=1.0, metadata={
+        "help": "eval/pass@k: a response passes when its reward is >= this"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.at_least(1, "prompts_per_step", "max_completion_length", "num_generations_eval")
+        self.at_least(0, "max_staleness")
+        if self.async_rollout and self.rollout == "hf":
+            raise UserError("--async_rollout needs --rollout vllm or vllm-server (HF generate shares the trainer's "
+                            "process and cores)")
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch (and so by make cluster-run)
+        if self.prompts_per_step % world:
+            raise UserError(f"--prompts_per_step {self.prompts_per_step} must be a multiple of the {world} processes")
+
+    def check_with(self, cfg: Args) -> None:
+        train = cfg.of(TrainConfig)
+        if train and train.max_prompt_length + self.max_completion_length > train.max_length:
+            # Else the backends would disagree: HF generate made the full response, a vLLM engine (its context is
+            # --max_length) cut it short.
+            raise UserError(f"--max_prompt_length {train.max_prompt_length} + --max_completion_length "
+                            f"{self.max_completion_length} exceed --max_length {train.max_length}: raise --max_length "
+                            "or lower one of them")
+
+    @property
+    def truncated_sampling(self) -> bool:
+        """top_p or top_k cut the distribution: the sampling log-probs are not the policy's."""
+        return self.top_p < 1.0 or self.top_k > 0
+
+
+@dataclass
+class VLLMConfig(Config):
+    """The vLLM backends' engine, server, weight sync and probe (`--rollout vllm` or `vllm-server`)."""
+
+    CHOICES: ClassVar[dict] = {"vllm_weight_sync_transport": ("auto", "inline")}
+
     vllm_server_url: str | None = field(default=None, metadata={
         "help": "vllm-server: URL of a running server (`make vllm-serve`); unset: the run starts one on 127.0.0.1"})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vllm: GPUs per engine"})
@@ -121,25 +233,47 @@ class RolloutConfig:
         "help": "stop when the probe's max |logprob difference| exceeds this; default from the dtype: 1e-3 for an "
                 "fp32 engine, 5 for bf16 (measured: docs/gpu.md)"})
 
+    def __post_init__(self):
+        super().__post_init__()
+        self.at_least(0, "vllm_probe_size")
+
+    def check_with(self, cfg: Args) -> None:
+        rollout = cfg.of(RolloutConfig)
+        if rollout and rollout.async_rollout and self.vllm_enable_sleep_mode:
+            raise UserError("--async_rollout keeps the engine generating during the update: it cannot sleep "
+                            "(--vllm_enable_sleep_mode)")
+        changed = [f"--{f.name}" for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+        if rollout and rollout.rollout == "hf" and changed:
+            warn(f"{', '.join(changed)}: no effect with --rollout hf")
+
 
 @dataclass
-class OnlineConfig(TrainConfig, RolloutConfig):
-    """Flags the online recipes (PPO, GRPO) share: prompts and sampling, rewards, old log-probs, rollout backend,
-    the policy ratio's clip range, held-out evaluation.
-    A step is `prompts_per_step` prompts over all processes; its updates are split by the recipe's own minibatch
-    flags, and each minibatch into micro-batches of per_device_train_batch_size rows (or a token budget)."""
+class EnvironmentConfig(Config):
+    """Multi-turn episodes (docs/environments.md): an environment class or tool functions, TRL's API."""
 
-    CHOICES: ClassVar[dict] = {"old_logprobs": ("recompute", "rollout"),
-                               "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate",
-                                                                 "sequence_mask")}
+    environment_factory: str | None = field(default=None, metadata={
+        "help": "multi-turn episodes (docs/environments.md): module:Class or path/to/file.py:Class, one instance per "
+                "episode with TRL's API: reset(**row), public methods as tools, optional get_reward() and "
+                "respond(text); or name=module:Class,name2=module:Class2 (TRL's dict form): each dataset row's "
+                "'environment' column picks one, its prompt showing that environment's tools"})
+    tools: str | None = field(default=None, metadata={
+        "help": "comma-separated tool functions, module:function or path/to/file.py:function (TRL's `tools`)"})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={
+        "help": "rounds of tool calls per episode; unset: until the model stops calling or the episode reaches "
+                "--max_completion_length (which bounds the whole episode)"})
+    tool_timeout_s: float | None = field(default=60.0, metadata={
+        "help": "a tool call running longer is cut: the model sees an error as its result"})
 
-    prompts_per_step: int = field(default=32, metadata={"help": "prompts per step over all processes"})
-    num_generations: int = field(default=2, metadata={"help": "responses sampled per prompt"})
-    max_completion_length: int = field(default=16, metadata={"help": "max new tokens per response"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (also applied to log-probs)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling; 1.0 keeps every token"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling; 0 keeps every token"})
-    ignore_eos: bool = field(default=False, metadata={"help": "always generate max_completion_length (benchmarks)"})
+    @property
+    def enabled(self) -> bool:
+        """Episodes rather than single-turn rollouts."""
+        return bool(self.environment_factory or self.tools)
+
+
+@dataclass
+class RewardConfig(Config):
+    """How a response is scored: reward functions and/or a reward model, weighted, with their limits."""
+
     reward_fn: str | None = field(default="verl_kit.rewards:kind_reply", metadata={
         "help": "comma-separated reward functions, module:function or path/to/file.py:function"})
     reward_model_name_or_path: str | None = field(default=None, metadata={
@@ -156,16 +290,41 @@ class OnlineConfig(TrainConfig, RolloutConfig):
     reward_fallback: float | None = field(default=None, metadata={
         "help": "the score of a response whose reward call timed out or raised, counted in reward/timeouts and "
                 "reward/errors; unset: the run stops with one line naming the function and the sample"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.reward_timeout_s is not None and self.reward_timeout_s <= 0:
+            raise UserError(f"--reward_timeout_s {self.reward_timeout_s}: use > 0, or leave it unset for no limit")
+        if self.reward_fallback is not None and not math.isfinite(self.reward_fallback):
+            raise UserError(f"--reward_fallback {self.reward_fallback}: use a finite score")
+        self.at_least(1, "reward_max_concurrency")
+
+    @property
+    def any(self) -> bool:
+        """A reward function or a reward model is named."""
+        return bool(self.reward_model_name_or_path) or any(
+            s.strip() not in ("", "none") for s in (self.reward_fn or "").split(","))
+
+
+@dataclass
+class RatioConfig(Config):
+    """The online recipes' policy ratio: pi / pi_old, its clip range and where pi_old's log-probs come from, and the
+    correction for the engine's own numerics, pi_old / mu (verl_kit.algos.off_policy)."""
+
+    CHOICES: ClassVar[dict] = {"old_logprobs": ("recompute", "rollout"),
+                               "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate",
+                                                                 "sequence_mask")}
+
+    cliprange: float = field(default=0.2, metadata={
+        "help": "policy ratio clip epsilon: the range [1 - cliprange, 1 + cliprange], or its lower side when "
+                "--epsilon_high is set (TRL's GRPO `epsilon`)"})
+    epsilon_high: float | None = field(default=None, metadata={
+        "help": "upper clip epsilon: the ratio is clipped to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher, "
+                "which uses 0.28); >= cliprange; unset: cliprange (symmetric). With GRPO's --loss_type cispo: the "
+                "cap of the importance weight itself (ScaleRL uses 5.0)"})
     old_logprobs: str = field(default="recompute", metadata={
         "help": "recompute: an actor forward before the update; rollout: the sampling log-probs (as TRL's PPOTrainer)"
                 "; only used when a rollout is updated on more than once"})
-    async_rollout: bool = field(default=False, metadata={
-        "help": "generate the next steps' rollouts while the trainer updates (vLLM backends; see "
-                "verl_kit.rollout.rollouts): the batch of step t comes from the policy of step t - max_staleness"})
-    max_staleness: int = field(default=1, metadata={
-        "help": "--async_rollout: steps the rollouts run ahead of the trainer (1: one-step-off; 0: no overlap)"})
-    rollout_timeout_s: float = field(default=1800, metadata={
-        "help": "--async_rollout: seconds to wait for a batch's generation before the run fails"})
     vllm_importance_sampling_correction: bool = field(default=True, metadata={
         "help": "vLLM backends: weight the policy loss by the trainer's old log-probs over the engine's sampling "
                 "log-probs (truncated importance sampling, verl_kit.algos.off_policy; TRL's flag)"})
@@ -175,77 +334,56 @@ class OnlineConfig(TrainConfig, RolloutConfig):
         "help": "importance weights above this are clamped (*_truncate) or zeroed (*_mask)"})
     vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={
         "help": "importance weights below this are clamped (*_truncate) or zeroed (*_mask)"})
-    cliprange: float = field(default=0.2, metadata={
-        "help": "policy ratio clip epsilon: the range [1 - cliprange, 1 + cliprange], or its lower side when "
-                "--epsilon_high is set (TRL's GRPO `epsilon`)"})
-    epsilon_high: float | None = field(default=None, metadata={
-        "help": "upper clip epsilon: the ratio is clipped to [1 - cliprange, 1 + epsilon_high] (DAPO's clip-higher, "
-                "which uses 0.28); >= cliprange; unset: cliprange (symmetric). With GRPO's --loss_type cispo: the "
-                "cap of the importance weight itself (ScaleRL uses 5.0)"})
-    environment_factory: str | None = field(default=None, metadata={
-        "help": "multi-turn episodes (docs/environments.md): module:Class or path/to/file.py:Class, one instance per "
-                "episode with TRL's API: reset(**row), public methods as tools, optional get_reward() and "
-                "respond(text); or name=module:Class,name2=module:Class2 (TRL's dict form): each dataset row's "
-                "'environment' column picks one, its prompt showing that environment's tools"})
-    tools: str | None = field(default=None, metadata={
-        "help": "comma-separated tool functions, module:function or path/to/file.py:function (TRL's `tools`)"})
-    max_tool_calling_iterations: int | None = field(default=None, metadata={
-        "help": "rounds of tool calls per episode; unset: until the model stops calling or the episode reaches "
-                "--max_completion_length (which bounds the whole episode)"})
-    tool_timeout_s: float | None = field(default=60.0, metadata={
-        "help": "a tool call running longer is cut: the model sees an error as its result"})
-    num_generations_eval: int = field(default=1, metadata={
-        "help": "held-out evaluation: responses sampled per prompt; above 1 also logs eval/pass@k for k = 1, 2, "
-                "4, ... <= n (unbiased estimator, Chen et al. 2021)"})
-    pass_threshold: float = field(default=1.0, metadata={
-        "help": "eval/pass@k: a response passes when its reward is >= this"})
 
-    def check(self, world: int) -> None:
-        """One-line UserErrors for the online flags (after parsing; `world` = number of processes)."""
-        if self.old_logprobs == "rollout" and (self.top_p < 1.0 or self.top_k > 0):  # truncated != the policy
-            raise UserError("--old_logprobs rollout needs --top_p 1.0 and --top_k 0 (else sampling log-probs differ)")
-        if self.async_rollout and self.rollout == "hf":
-            raise UserError("--async_rollout needs --rollout vllm or vllm-server (HF generate shares the trainer's "
-                            "process and cores)")
-        if self.async_rollout and self.vllm_enable_sleep_mode:
-            raise UserError("--async_rollout keeps the engine generating during the update: it cannot sleep "
-                            "(--vllm_enable_sleep_mode)")
-        if self.max_staleness < 0:
-            raise UserError(f"--max_staleness {self.max_staleness}: use >= 0")
-        if self.importance_sampling and (self.top_p < 1.0 or self.top_k > 0):
-            raise UserError("--vllm_importance_sampling_correction needs --top_p 1.0 and --top_k 0 (the trainer's "
-                            "log-probs are of the untruncated policy); or set it false")
-        if self.importance_sampling:
+    def __post_init__(self):
+        super().__post_init__()
+        if self.epsilon_high is not None and self.epsilon_high < self.cliprange:
+            raise UserError(f"--epsilon_high {self.epsilon_high} is below --cliprange {self.cliprange}: clip-higher "
+                            "widens the upper side only; leave it unset for a symmetric range")
+        if self.vllm_importance_sampling_correction:
             try:
                 check_importance_sampling_args(self.vllm_importance_sampling_mode,
                                                self.vllm_importance_sampling_clip_max,
                                                self.vllm_importance_sampling_clip_min)
             except ValueError as e:
                 raise UserError(f"--{e}") from None
-        if self.epsilon_high is not None and self.epsilon_high < self.cliprange:
-            raise UserError(f"--epsilon_high {self.epsilon_high} is below --cliprange {self.cliprange}: clip-higher "
-                            "widens the upper side only; leave it unset for a symmetric range")
-        if self.reward_timeout_s is not None and self.reward_timeout_s <= 0:
-            raise UserError(f"--reward_timeout_s {self.reward_timeout_s}: use > 0, or leave it unset for no limit")
-        if self.reward_fallback is not None and self.reward_fallback != self.reward_fallback:
-            raise UserError("--reward_fallback nan: use a finite score")
-        if self.reward_max_concurrency < 1:
-            raise UserError(f"--reward_max_concurrency {self.reward_max_concurrency}: use >= 1")
-        if self.num_generations_eval < 1:
-            raise UserError(f"--num_generations_eval {self.num_generations_eval}: use >= 1")
-        if self.prompts_per_step % world:
-            raise UserError(f"--prompts_per_step {self.prompts_per_step} must be a multiple of the {world} processes")
-        if self.max_prompt_length + self.max_completion_length > self.max_length:
-            # Else the backends would disagree: HF generate made the full response, a vLLM engine (its context is
-            # --max_length) cut it short.
-            raise UserError(f"--max_prompt_length {self.max_prompt_length} + --max_completion_length "
-                            f"{self.max_completion_length} exceed --max_length {self.max_length}: raise --max_length "
-                            "or lower one of them")
 
-    @property
-    def importance_sampling(self) -> bool:
+    def check_with(self, cfg: Args) -> None:
+        rollout = cfg.of(RolloutConfig)
+        if rollout and self.old_logprobs == "rollout" and rollout.truncated_sampling:
+            raise UserError("--old_logprobs rollout needs --top_p 1.0 and --top_k 0 (else sampling log-probs differ)")
+        if rollout and self.importance_sampling(rollout.rollout) and rollout.truncated_sampling:
+            raise UserError("--vllm_importance_sampling_correction needs --top_p 1.0 and --top_k 0 (the trainer's "
+                            "log-probs are of the untruncated policy); or set it false")
+
+    def importance_sampling(self, backend: str) -> bool:
         """The correction applies: samples from a vLLM engine (HF generate samples with the trainer's own numerics)."""
-        return self.vllm_importance_sampling_correction and self.rollout != "hf"
+        return self.vllm_importance_sampling_correction and backend != "hf"
+
+    def importance_sampling_args(self) -> dict:
+        """The keyword arguments of algos.off_policy's importance_weights and mismatch_metrics."""
+        return {"mode": self.vllm_importance_sampling_mode, "clip_max": self.vllm_importance_sampling_clip_max,
+                "clip_min": self.vllm_importance_sampling_clip_min}
+
+
+ONLINE = {"train": TrainConfig, "rollout": RolloutConfig, "vllm": VLLMConfig, "rewards": RewardConfig,
+          "env": EnvironmentConfig, "ratio": RatioConfig}  # the roles PPO and GRPO parse beside their own class
+
+
+class Args:
+    """A recipe's parsed config, one attribute per role (`cfg.train`, `cfg.rollout`, ...), in the order parsed."""
+
+    def __init__(self, **pieces: Config):
+        self.pieces = pieces
+        self.__dict__.update(pieces)
+
+    def of(self, cls: type) -> Config | None:
+        """The piece of class `cls` (or a subclass), None when the recipe does not parse one."""
+        return next((p for p in self.pieces.values() if isinstance(p, cls)), None)
+
+    def flags(self) -> dict:
+        """Every flag and its value, as on the command line (metrics, trackers, the resume fingerprint)."""
+        return {k: v for p in self.pieces.values() for k, v in dataclasses.asdict(p).items()}
 
 
 def choices(config_cls) -> dict[str, tuple]:
@@ -304,8 +442,10 @@ def load_object(flag: str, spec: str, what: str = "class or function"):
     return obj
 
 
-def parse_args(config_cls, argv: list[str] | None = None):
-    """Parse `config_cls` from argv and `--config file.yaml`; raises UserError naming the offending flag or key."""
+def parse(argv: list[str] | None = None, **roles: type) -> Args:
+    """Parse the recipe's config classes (`role=Class`, one flat set of flags: no two classes share a field) from argv
+    and `--config file.yaml`; each class checks itself, then every rule across two of them runs (check_with). Raises
+    UserError naming the offending flag or key."""
     import yaml
     from trl import TrlParser
 
@@ -321,38 +461,29 @@ def parse_args(config_cls, argv: list[str] | None = None):
             raise UserError(f"--config: no such file {path!r}")
         try:
             with open(path) as f:
-                cfg = yaml.safe_load(f) or {}
+                loaded = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
             raise UserError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(cfg, dict):
+        if not isinstance(loaded, dict):
             raise UserError(f"--config {path}: expected a mapping of flag: value")
-        known = {f.name for f in dataclasses.fields(config_cls)} | {"env"}
-        unknown = sorted(set(cfg) - known)
+        known = {f.name for cls in roles.values() for f in dataclasses.fields(cls)} | {"env"}
+        unknown = sorted(set(loaded) - known)
         if unknown:
             raise UserError(f"--config {path}: unknown key(s) {', '.join(unknown)}")
     try:
-        (cfg_obj,) = Parser(config_cls, allow_abbrev=False).parse_args_and_config(argv)
+        pieces = Parser(tuple(roles.values()), allow_abbrev=False).parse_args_and_config(argv)
     except ValueError as e:  # HfArgumentParser's leftover arguments, TrlParser's own complaints
         msg = str(e).splitlines()[0]
         if "not used by the HfArgumentParser" in msg:
             flags = [a for a in argv if a.startswith("-") and a.split("=")[0] in msg]
             msg = f"unknown flag(s) {', '.join(flags) or msg.split(':', 1)[1].strip()} (see --help)"
         raise UserError(msg) from None
-    hints = typing.get_type_hints(config_cls)
-    allowed = choices(config_cls)
-    for f in dataclasses.fields(cfg_obj):
-        value = getattr(cfg_obj, f.name)
-        _check_type(f.name, value, hints[f.name])
-        if f.name in allowed and value not in allowed[f.name]:
-            raise UserError(f"--{f.name}: {value!r} is not one of {', '.join(map(str, allowed[f.name]))}")
-    if isinstance(cfg_obj.dataset_test_split, str) and cfg_obj.dataset_test_split.lower() == "none":
-        cfg_obj.dataset_test_split = None
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "packing_length",
-                 "prompts_per_step", "num_generations", "max_completion_length", "logging_steps", "eval_steps"):
-        if getattr(cfg_obj, name, 1) < 1:
-            raise UserError(f"--{name}: must be >= 1, got {getattr(cfg_obj, name)}")
-    check_lora_flags(cfg_obj, config_cls())
-    if cfg_obj.max_prompt_length >= cfg_obj.max_length:
-        raise UserError(f"--max_prompt_length ({cfg_obj.max_prompt_length}) must be below --max_length "
-                        f"({cfg_obj.max_length}) to leave room for the completion")
-    return cfg_obj
+    cfg = Args(**dict(zip(roles, pieces)))
+    for piece in pieces:
+        piece.check_with(cfg)
+    return cfg
+
+
+def parse_args(config_cls: type, argv: list[str] | None = None):
+    """One config class from argv and `--config` (parse with a single role)."""
+    return parse(argv, cfg=config_cls).cfg

@@ -3,9 +3,10 @@
     python -m verl_kit.config_reference > docs/configuration.md        # what `make docs` runs
 
 recipes/ is not a package: each recipes/*.py is loaded from its file under its own module name, so the
-`if __name__ == "__main__"` guard keeps its main() from running, and the one TrainConfig subclass it defines is read:
-per flag its type, default, allowed values (the CHOICES of the class and its bases, `config.choices`) and help (the
-field's metadata). tests/test_docs.py fails when the checked-in page differs from this output."""
+`if __name__ == "__main__"` guard keeps its main() from running, and its `ARGS` (role -> config class, what
+`config.parse` reads) is read: per role and flag its type, default, allowed values (the CHOICES of the class and its
+bases, `config.choices`) and help (the field's metadata). tests/test_docs.py fails when the checked-in page differs
+from this output."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import types
 import typing
 from pathlib import Path
 
-from verl_kit.config import TrainConfig, choices
+from verl_kit.config import Config, choices
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: recipes/ and verl_kit/ side by side
 RECIPES = ROOT / "recipes"
@@ -44,14 +45,18 @@ def load_recipe(path: Path) -> types.ModuleType:
     return module
 
 
-def config_class(module: types.ModuleType) -> type:
-    """The one TrainConfig dataclass the recipe module defines."""
-    found = [obj for obj in vars(module).values() if isinstance(obj, type) and dataclasses.is_dataclass(obj)
-             and issubclass(obj, TrainConfig) and obj.__module__ == module.__name__]
-    if len(found) != 1:
-        raise ValueError(f"{module.__file__}: expected one TrainConfig dataclass, found "
-                         f"{', '.join(c.__name__ for c in found) or 'none'}")
-    return found[0]
+def recipe_args(module: types.ModuleType) -> dict[str, type]:
+    """The recipe's `ARGS`: role -> config class, in the order it parses them."""
+    roles = getattr(module, "ARGS", None)
+    if not isinstance(roles, dict) or not all(isinstance(c, type) and issubclass(c, Config) for c in roles.values()):
+        raise ValueError(f"{module.__file__}: expected ARGS, a dict of role -> config.Config class")
+    return roles
+
+
+def summary(cls: type) -> str:
+    """The first paragraph of a config class's docstring, on one line (dataclass makes one up when there is none)."""
+    doc = cls.__doc__ or ""
+    return "" if doc.startswith(f"{cls.__name__}(") else " ".join(doc.split("\n\n")[0].split())
 
 
 def type_name(hint) -> str:
@@ -110,12 +115,14 @@ def reference(recipes_dir: Path = RECIPES) -> str:
            "and yaml alike.", ""]
     out += [f"- [`recipes/{p.name}`](#{p.stem})" for p in files]
     for path in files:
-        cls = config_class(load_recipe(path))
-        bases = ", ".join(f"`{b.__module__}.{b.__name__}`" for b in cls.__bases__)
-        out += ["", f"## {path.stem}", "",
-                f"`recipes/{path.name}`: `{cls.__name__}`, built on {bases}; {len(dataclasses.fields(cls))} flags.",
-                ""]
-        out += table(cls)
+        roles = recipe_args(load_recipe(path))
+        n = sum(len(dataclasses.fields(cls)) for cls in roles.values())
+        parts = ", ".join(f"`{role}` (`{cls.__module__.removeprefix('verl_kit_recipe_')}.{cls.__name__}`)"
+                          for role, cls in roles.items())
+        out += ["", f"## {path.stem}", "", f"`recipes/{path.name}`: {n} flags, by role: {parts}."]
+        for role, cls in roles.items():
+            out += ["", f"### {path.stem}: {role}", "", summary(cls), ""]
+            out += table(cls)
     return "\n".join(out) + "\n"
 
 

@@ -19,16 +19,14 @@ from verl_kit.algos.advantages import (
 )
 from verl_kit.algos.distill import generalized_jsd, reverse_kl_advantages
 from verl_kit.algos.evaluation import pass_at_k
-from verl_kit.algos.off_policy import MODES, check_args, importance_weights, mismatch_metrics, reweight, step_metrics
+from verl_kit.algos.off_policy import MODES, check_args, importance_weights, mismatch_metrics, step_metrics
 from verl_kit.algos.policy import (
     cispo_clipped,
     cispo_loss,
     clipped_surrogate,
+    clipped_tokens,
     entropy_from_logits,
-    policy_clipped,
-    policy_loss,
     sequence_log_ratio,
-    surrogate_clipped,
     value_clipped,
     value_loss,
 )
@@ -37,7 +35,6 @@ from verl_kit.algos.preference import (
     F_DIVERGENCE_LOSS_TYPES,
     F_DIVERGENCES,
     bradley_terry_loss,
-    dpo_logits,
     dpo_loss,
     dpo_loss_terms,
     f_divergence_score,

@@ -12,8 +12,8 @@ distribution actually sampled, after temperature: vLLM with `logprobs_mode="proc
 server without it), the trainer's logits divided by the same temperature.
 
 How it is applied. The weight is a constant (detached): the per-token policy-gradient loss is multiplied by it,
-`policy_loss(logprobs, old_logprobs, adv, clip) * w`, before the KL penalty is added (the KL term is not weighted)
-and before the token reduction (algos.reduction.loss_weights). This is TRL 1.16 GRPOTrainer's order.
+`clipped_surrogate(logprobs - old_logprobs, adv, clip) * w`, before the KL penalty is added (the KL term is not
+weighted) and before the token reduction (algos.reduction.loss_weights). This is TRL 1.16 GRPOTrainer's order.
 
 The modes are TRL's `vllm_importance_sampling_mode`, with its bounds `vllm_importance_sampling_clip_max` (C_max,
 default 3.0) and `vllm_importance_sampling_clip_min` (C_min, default None):
@@ -125,17 +125,3 @@ def step_metrics(sums: dict[str, float]) -> dict[str, float]:
     return {"rollout/mismatch_kl": sums["mismatch_kl"] / scored,
             "rollout/logp_diff_mean": sums["sampling_logp_diff"] / scored,
             "rollout/is_ratio_mean": sums["is_ratio"] / n, "rollout/is_clipped_frac": sums["is_clipped"] / n}
-
-
-def reweight(cfg, loss: torch.Tensor, old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
-             seq_index: torch.Tensor, num_seqs: int, tally=None) -> torch.Tensor:
-    """The per-token policy loss (M,) times its importance weight when the recipe's flags ask for the correction
-    (OnlineConfig.importance_sampling and the vllm_importance_sampling_* flags), else `loss` itself. With a `tally`
-    (distributed.Tally; pass one on the first pass over a rollout only) the mismatch_metrics are added to it."""
-    if not cfg.importance_sampling:
-        return loss
-    args = (old_logprobs, sampling_logprobs, seq_index, num_seqs, cfg.vllm_importance_sampling_mode,
-            cfg.vllm_importance_sampling_clip_max, cfg.vllm_importance_sampling_clip_min)
-    if tally is not None:
-        tally.add(**mismatch_metrics(*args))
-    return loss * importance_weights(*args)

@@ -32,25 +32,13 @@ def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, clip: f
     return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1.0 - clip, 1.0 + high))
 
 
-def surrogate_clipped(log_ratio: torch.Tensor, advantages: torch.Tensor, clip: float,
-                      clip_high: float | None = None) -> torch.Tensor:
+def clipped_tokens(log_ratio: torch.Tensor, advantages: torch.Tensor, clip: float,
+                   clip_high: float | None = None) -> torch.Tensor:
     """1.0 where the clipped branch of clipped_surrogate is the active one (the token's gradient is cut), else 0.0:
     r > 1 + clip_high with A > 0, or r < 1 - clip with A < 0 (TRL's clip_ratio/region_mean). (M,)"""
     ratio = torch.exp(log_ratio)
     high = clip if clip_high is None else clip_high
     return (-advantages * ratio.clamp(1.0 - clip, 1.0 + high) > -advantages * ratio).float()
-
-
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                clip: float, clip_high: float | None = None) -> torch.Tensor:
-    """clipped_surrogate on the token log-ratio logprobs - old_logprobs, per token (M,)."""
-    return clipped_surrogate(logprobs - old_logprobs, advantages, clip, clip_high)
-
-
-def policy_clipped(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                   clip: float, clip_high: float | None = None) -> torch.Tensor:
-    """1.0 where the clipped branch of policy_loss is the active one (the token's gradient is cut), else 0.0. (M,)"""
-    return surrogate_clipped(logprobs - old_logprobs, advantages, clip, clip_high)
 
 
 def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, seq_index: torch.Tensor,

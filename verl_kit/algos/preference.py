@@ -9,13 +9,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-
-def dpo_logits(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-               ref_rejected: torch.Tensor) -> torch.Tensor:
-    """h = (log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x)).  All inputs (B,), output (B,)."""
-    return (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
-
-
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
                   "apo_down", "discopop", "sigmoid_norm", "sft")
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")

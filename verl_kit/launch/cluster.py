@@ -12,10 +12,11 @@ node (STRICT_SPREAD), starts `accelerate launch --machine_rank i --main_process_
 actor pinned to bundle i, streams every node's output as `[node i] ...`, and ends the whole job as soon as one node
 fails or stops answering for --node_timeout_s. The recipe never learns it runs on Ray.
 
-Nothing is left behind: each launch runs under a small reaper process (`_reap`), detached from its actor and a child
-subreaper, so it still owns the training processes torchrun starts in their own sessions; it kills the whole tree
-when the launch ends, when it is told to stop, or when its actor dies (job stopped, driver killed, raylet gone).
-The placement group is removed in a `finally`, and Ray removes it anyway when the job's driver exits.
+Nothing is left behind: each launch runs under a small reaper process (verl_kit.launch.processes.reap), detached
+from its actor and a child subreaper, so it still owns the training processes torchrun starts in their own sessions;
+it kills the whole tree when the launch ends, when it is told to stop, or when its actor dies (job stopped, driver
+killed, raylet gone). The placement group is removed in a `finally`, and Ray removes it anyway when the job's driver
+exits.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import sys
 import threading
 import time
 
+from verl_kit.launch import processes
+
 # Variables copied from the submitting shell to every node, so a cluster run behaves like the local one
 # (NCCL/gloo interface choice, offline hub, caches, trackers). CUDA_VISIBLE_DEVICES is Ray's to set.
 PASS_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TORCHELASTIC_", "HF_", "TRANSFORMERS_", "WANDB_", "VERL_KIT_",
@@ -41,86 +44,7 @@ WORKING_DIR_EXCLUDES = [".git", ".venv", "outputs", ".cache", "bench/results", "
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
 
 
-# ---- node side: the reaper around one `accelerate launch` ---------------------------------------------------------
-
-def _descendants(pid: int) -> list:
-    import psutil
-
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _kill_tree(procs: list, grace_s: float) -> None:
-    """SIGTERM every process, wait up to grace_s, SIGKILL the survivors."""
-    import psutil
-
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-
-
-REAPER_TAG = "\x00verl-kit-reaper"  # prefix of the reaper's own lines to its agent: its pid, then the exit code
-
-
-def _say_to_agent(text: str) -> None:
-    try:
-        print(f"{REAPER_TAG} {text}", flush=True)
-    except (BrokenPipeError, OSError):  # the agent is gone; nobody reads our output any more
-        pass
-
-
-def reap(parent_pid: int, cmd: list[str], grace_s: float) -> int:
-    """Run `cmd`, report its exit code, and take every descendant down with it.
-
-    The reaper detaches from its agent (double fork): Ray SIGKILLs a dead worker's direct children, which would kill
-    the reaper before it could clean up, while the launcher and its ranks live on. As a child subreaper (Linux prctl
-    36) it also inherits the training ranks that torchrun starts in their own sessions, even if torchrun dies. It
-    ends the tree when the launch ends, on SIGTERM (the agent's stop) and when the agent process disappears."""
-    import ctypes
-
-    import psutil
-
-    parent = psutil.Process(parent_pid)
-    if os.fork() > 0:  # the agent's direct child exits at once; the grandchild carries on
-        os._exit(0)
-    os.setsid()
-    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a handler, not SIG_IGN: children must not inherit it
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    _say_to_agent(f"pid {os.getpid()}")
-    child = subprocess.Popen(cmd)
-    while child.poll() is None and not stop.is_set() and parent.is_running():
-        stop.wait(0.5)
-    if child.poll() is None:
-        why = "stop requested" if stop.is_set() else f"its agent (pid {parent_pid}) is gone"
-        try:
-            print(f"[reaper] {why}: terminating the launch and its workers", flush=True)
-        except (BrokenPipeError, OSError):
-            pass
-        child.terminate()  # through Popen, not psutil: psutil would reap it and lose its exit code
-        _kill_tree([p for p in _descendants(os.getpid()) if p.pid != child.pid], grace_s)
-        try:
-            child.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            child.kill()
-    rc = child.wait()
-    _kill_tree(_descendants(os.getpid()), grace_s)  # ranks orphaned by a crashed launcher
-    rc = rc if rc >= 0 else 128 - rc
-    _say_to_agent(f"exit {rc}")
-    return rc
-
+# ---- node side: one `accelerate launch` under its reaper (verl_kit.launch.processes.reap) ---------------------------
 
 class NodeAgent:
     """Ray actor pinned to one placement-group bundle: starts the node's launch and hands its output to the driver."""
@@ -149,13 +73,12 @@ class NodeAgent:
 
     def start(self, cmd: list[str], env: dict, grace_s: float) -> int:
         """Start the reaper (which starts `cmd`); returns the reaper's pid."""
-        reaper = [sys.executable, "-m", "verl_kit.launch.cluster", "_reap", "--parent", str(os.getpid()),
-                  "--grace_s", str(grace_s), "--", *cmd]
-        proc = subprocess.Popen(reaper, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(processes.reaper_command(os.getpid(), cmd, grace_s), env={**os.environ, **env},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         proc.wait()  # the first fork returns at once
         first = proc.stdout.readline().decode(errors="replace")
-        if not first.startswith(f"{REAPER_TAG} pid "):
+        if not first.startswith(f"{processes.REAPER_TAG} pid "):
             raise RuntimeError(f"node {self.rank}: the launch did not start: {first.strip()}")
         self.reaper_pid = int(first.split()[-1])
         self.reader = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
@@ -166,7 +89,7 @@ class NodeAgent:
         for raw in stream:
             # progress bars redraw with \r: keep the last state of the line
             line = raw.decode(errors="replace").rstrip("\r\n").split("\r")[-1]
-            if line.startswith(f"{REAPER_TAG} exit "):
+            if line.startswith(f"{processes.REAPER_TAG} exit "):
                 self.rc = int(line.split()[-1])
                 continue
             with self.lock:
@@ -197,7 +120,7 @@ class NodeAgent:
             tree = []
         self.reader.join(grace_s + 5)
         if self.reader.is_alive():
-            _kill_tree(tree, 1)
+            processes.kill_tree(tree, 1)
             self.reader.join(5)
         return self.rc
 
@@ -442,7 +365,7 @@ def _output_dir(args) -> str:
             with open(args.config) as f:
                 path = (yaml.safe_load(f) or {}).get("output_dir")
         if path is None:
-            # a documented lazy load: the CLI, the job driver and the reaper run without torch
+            # a documented lazy load: the CLI and the job driver run without torch
             from verl_kit.config import TrainConfig
 
             path = TrainConfig.output_dir
@@ -626,9 +549,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--wait_s", type=float, default=60)
     s = sub.add_parser("down", help="stop every Ray process of this user on this machine")
     s.add_argument("--force", action="store_true")
-    s = sub.add_parser("_reap", help=argparse.SUPPRESS)
-    s.add_argument("--parent", type=int, required=True)
-    s.add_argument("--grace_s", type=float, default=10)
 
     args = p.parse_args(argv)
     args.recipe_args = recipe_args
@@ -637,8 +557,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if args.command == "_reap":
-        return reap(args.parent, args.recipe_args, args.grace_s)
     if args.command == "_driver":
         return drive(args)
     return {"up": up, "run": run, "status": status, "logs": logs, "stop": stop, "down": down}[args.command](args)

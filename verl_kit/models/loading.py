@@ -32,14 +32,14 @@ def resolve_model_path(name: str) -> str:
         path = os.path.join(cache_dir(), "tiny-llama-v1")
         if not os.path.isfile(os.path.join(path, "model.safetensors")):
             logger.info("building the embedded tiny model in %s", path)
-            _build_outside_distributed(path)
+            _build_outside_distributed(["tiny", path])
         return path
     if name == SMOLLM2_NAME:
         path = os.path.join(cache_dir(), SMOLLM2_DIR_NAME)
         if not os.path.isfile(os.path.join(path, "model.safetensors")):
             check_gguf()
             logger.info("converting %s into %s", smollm2_gguf_path(), path)
-            _build_outside_distributed(path, ["verl_kit.models.real_model", path])
+            _build_outside_distributed(["smollm2", path])
         return path
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
@@ -57,8 +57,8 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def _build_outside_distributed(path: str, module_args: list[str] | None = None) -> None:
-    """Build a model (`python -m verl_kit.models.tiny model PATH` or `python -m *module_args`) in a child process that
+def _build_outside_distributed(args: list[str]) -> None:
+    """Build a model (`python -m verl_kit.models tiny|smollm2 PATH`, models/__main__.py) in a child process that
     knows nothing of the launch: inside a distributed run transformers' save_pretrained writes weights on rank 0 only,
     so a rank-1 build would be incomplete. Concurrent builds are safe (each writes a temporary directory; the first
     rename wins)."""
@@ -68,8 +68,7 @@ def _build_outside_distributed(path: str, module_args: list[str] | None = None) 
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith("ACCELERATE_")}
-    module_args = module_args or ["verl_kit.models.tiny", "model", path]
-    subprocess.run([sys.executable, "-m", *module_args], env=env, check=True,
+    subprocess.run([sys.executable, "-m", "verl_kit.models", *args], env=env, check=True,
                    stdout=subprocess.DEVNULL, timeout=600)
 
 

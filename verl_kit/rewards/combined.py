@@ -9,10 +9,11 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from verl_kit.algos.advantages import truncation_penalty
-from verl_kit.config import OnlineConfig
+from verl_kit.config import RewardConfig
 from verl_kit.errors import UserError
 from verl_kit.models.loading import resolve_model_path
 from verl_kit.rewards.functions import CallLimits, call_reward_fn, load_reward_fn, reward_columns
+from verl_kit.rollout.types import Scores
 from verl_kit.train.distributed import reduce_metrics
 from verl_kit.train.trainable import frozen
 
@@ -47,12 +48,6 @@ class Rewards:
             raise UserError(f"--reward_weights: {len(self.weights)} weight(s) for {n} reward source(s) "
                             "(--reward_fn entries, then --reward_model_name_or_path)")
 
-    def __call__(self, prompts: list, completions: list[str], truncated: torch.Tensor,
-                 columns: dict[str, list] | None = None, *, completion_ids: list | None = None) -> torch.Tensor:
-        """Scores (B,). `columns`: the dataset's other columns, name -> one value per response (see reward_columns),
-        passed to the reward functions that take them; `completion_ids`: each response's token ids, likewise."""
-        return self.total(self.sources(prompts, completions, columns, completion_ids=completion_ids), truncated)
-
     def sources(self, prompts: list, completions: list[str], columns: dict[str, list] | None = None, *,
                 completion_ids: list | None = None) -> dict[str, torch.Tensor]:
         """Each source's own scores (B,), unweighted, by name (`names`: the reward function's __name__, the reward
@@ -72,22 +67,21 @@ class Rewards:
         started, summed over processes (a collective: every process calls it at the same point)."""
         return reduce_metrics({"reward/timeouts": self.limits.timeouts, "reward/errors": self.limits.errors})
 
-    def of_rollout(self, rows: list[dict], rollout) -> torch.Tensor:
-        """Scores (B,) of a rollout.Rollout's responses, decoded with the policy's tokenizer (special tokens
-        dropped; `tokenizer`, set by make_rewards). `rows`: the dataset row of each response (its `prompt` field,
-        and the other columns the reward functions may read). The reward functions may also take `completion_ids`
-        (the responses' token ids). Sets `rollout.reward_sources` (each source's own scores, the environment's
-        get_reward() as `environment`) for the rewards/<name>/* metrics."""
+    def of_rollout(self, rows: list[dict], rollout) -> Scores:
+        """The Scores of a rollout.Rollout's responses, decoded with the policy's tokenizer (special tokens dropped;
+        `tokenizer`, set by make_rewards): the weighted total (B,) and each source's own scores (the environment's
+        get_reward() as `environment`, added with weight 1 as TRL does). `rows`: the dataset row of each response
+        (its `prompt` field, and the other columns the reward functions may read). The reward functions may also
+        take `completion_ids` (the responses' token ids)."""
         ids = [r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)]
         completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         sources = self.sources([r["prompt"] for r in rows], completions, reward_columns(rows),
                                completion_ids=[x.tolist() for x in ids])
-        scores = self.total(sources, rollout.truncated)
-        if rollout.env_reward is not None:  # multi-turn: get_reward() is one more source, weight 1 (TRL's)
+        total = self.total(sources, rollout.truncated)
+        if rollout.env_reward is not None:  # multi-turn: get_reward() is one more source
             sources["environment"] = rollout.env_reward
-            scores = scores + rollout.env_reward
-        rollout.reward_sources = sources
-        return scores
+            total = total + rollout.env_reward
+        return Scores(total, sources)
 
 
 class RewardModel:
@@ -130,17 +124,19 @@ class RewardModel:
         return out
 
 
-def make_rewards(cfg: OnlineConfig, accelerator, tokenizer) -> Rewards:
-    """The run's Rewards from the OnlineConfig flags: `--reward_fn`, `--reward_model_name_or_path` (placed frozen:
-    a ZeRO-3 inference engine under ZeRO-3), `--reward_weights`, `--missing_eos_penalty`, `--reward_timeout_s`,
-    `--reward_max_concurrency`, `--reward_fallback`."""
+def make_rewards(cfg: RewardConfig, accelerator, tokenizer, max_length: int, batch_size: int,
+                 env_reward: bool = False) -> Rewards:
+    """The run's Rewards from its RewardConfig: `--reward_fn`, `--reward_model_name_or_path` (placed frozen: a ZeRO-3
+    inference engine under ZeRO-3; it reads `max_length` tokens, `batch_size` responses per forward),
+    `--reward_weights`, `--missing_eos_penalty`, `--reward_timeout_s`, `--reward_max_concurrency`,
+    `--reward_fallback`; `env_reward`: an environment's get_reward() adds to the score."""
     reward_model = None
     if cfg.reward_model_name_or_path:
         reward_model = load_reward_model(cfg.reward_model_name_or_path, lambda load: frozen(accelerator, load),
-                                         accelerator.device, cfg.max_length, cfg.per_device_eval_batch_size)
+                                         accelerator.device, max_length, batch_size)
     limits = CallLimits(cfg.reward_timeout_s, cfg.reward_fallback, cfg.reward_max_concurrency)
     return Rewards(cfg.reward_fn, reward_model, cfg.reward_weights, cfg.missing_eos_penalty, tokenizer, limits,
-                   env_reward=bool(cfg.environment_factory))
+                   env_reward=env_reward)
 
 
 def load_reward_model(path: str, load_frozen, device, max_length: int, batch_size: int) -> RewardModel:

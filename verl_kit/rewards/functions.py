@@ -7,7 +7,7 @@ as keyword arguments, the dataset's other columns, one value per completion (a p
 of its generations), plus `completion_ids` (each response's token ids) when the caller has them (Rewards.of_rollout).
 What a function receives follows its signature:
 
-    def reward(prompts, completions): ...                       # the two lists only (as before)
+    def reward(prompts, completions): ...                       # the two lists only
     def reward(prompts, completions, answer): ...               # + the `answer` column (a missing one: UserError)
     def reward(completions, answer, **kwargs): ...              # TRL style: everything by keyword, all the columns
     def reward(p, c, **kwargs): ...                             # lists positionally (no `completions` name) + all
@@ -21,10 +21,12 @@ UserError naming the function and the sample (the batch is retried one sample at
 --reward_max_concurrency and --reward_fallback flags) a call that times out or raises scores the fallback instead,
 counted (docs/algorithms.md, "Rewards that cannot stall a run").
 
-Built-in functions: `kind_words` (the embedded task), `math_answer` (1.0 when the completion's final answer equals
-the row's `answer` or `solution` according to HF math-verify), `boxed_format` (1.0 for exactly one non-empty
-\\boxed{...}) and `soft_overlong_punishment` (DAPO's length penalty, 0 to -1; `get_soft_overlong_punishment` makes
-one for other lengths). `reward_columns(rows)` turns dataset rows, one per response, into the columns dict.
+Built-in functions: `kind_reply` (the embedded task, the online recipes' default reward), `kind_words` (the share of
+kind words, won by shortening replies), `math_answer` (1.0 when the completion's final answer equals the row's `answer`
+or `solution` according to HF math-verify), `final_number` (math_answer on the last written-out number),
+`boxed_format` (1.0 for exactly one non-empty \\boxed{...}) and `soft_overlong_punishment` (DAPO's length penalty,
+0 to -1; `get_soft_overlong_punishment` makes one for other lengths). `reward_columns(rows)` turns dataset rows, one
+per response, into the columns dict.
 
 A reward model is an HF sequence-classification model with its *own* tokenizer: the policy's text is decoded and
 re-tokenized with the reward tokenizer and its chat template, so policy and reward model need not share a vocabulary.

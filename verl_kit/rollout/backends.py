@@ -8,7 +8,7 @@ import atexit
 
 import torch
 
-from verl_kit.config import OnlineConfig
+from verl_kit.config import RolloutConfig, VLLMConfig
 from verl_kit.rollout.hf import HFGenerateBackend
 from verl_kit.rollout.types import RolloutBackend
 from verl_kit.rollout.vllm_client import VLLMServer
@@ -21,22 +21,23 @@ def rollout_dtype(accelerator) -> torch.dtype:
     return torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
 
 
-def start_server(cfg: OnlineConfig, accelerator, model_path: str) -> tuple[ServerProcess | None, str]:
+def start_server(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, model_path: str, max_length: int,
+                 seed: int) -> tuple[ServerProcess | None, str]:
     """The vLLM server of a `--rollout vllm-server` run: `--vllm_server_url` when given (nothing started), else process
     0 starts one on a free 127.0.0.1 port (stopped by `.stop()`, at exit, or when process 0 dies) and every process
     gets its URL. Collective. Returns (the server this process started or None, its URL); (None, None) for the
     other backends."""
     if cfg.rollout != "vllm-server":
         return None, None
-    if cfg.vllm_server_url:
-        return None, cfg.vllm_server_url
+    if vllm_cfg.vllm_server_url:
+        return None, vllm_cfg.vllm_server_url
     server = None
     if accelerator.process_index == 0:
         server = ServerProcess(model_path, dtype=str(rollout_dtype(accelerator)).removeprefix("torch."),
-                               kv_cache_gib=cfg.vllm_kv_cache_gib, max_num_seqs=cfg.vllm_max_num_seqs,
-                               max_model_len=cfg.max_length,
-                               extra=["--tensor-parallel-size", str(cfg.vllm_tensor_parallel_size),
-                                      "--seed", str(cfg.seed)])
+                               kv_cache_gib=vllm_cfg.vllm_kv_cache_gib, max_num_seqs=vllm_cfg.vllm_max_num_seqs,
+                               max_model_len=max_length,
+                               extra=["--tensor-parallel-size", str(vllm_cfg.vllm_tensor_parallel_size),
+                                      "--seed", str(seed)])
         atexit.register(server.stop)
     box = [server.url if server else None]
     if accelerator.num_processes > 1:
@@ -44,25 +45,25 @@ def start_server(cfg: OnlineConfig, accelerator, model_path: str) -> tuple[Serve
     return server, box[0]
 
 
-def make_backend(cfg: OnlineConfig, accelerator, actor, model_path: str, tokenizer, probe_prompts: list[list[int]],
-                 server_url: str | None = None) -> RolloutBackend:
-    """The `--rollout` backend (OnlineConfig flags) for the unwrapped `actor`: HF generate on a plain copy, a vLLM
-    engine in each process, or a client of the vLLM server at `server_url` (see start_server); only process 0 pushes
-    weights to a server."""
+def make_backend(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, actor, model_path: str, tokenizer,
+                 probe_prompts: list[list[int]], server_url: str | None, max_length: int, seed: int) -> RolloutBackend:
+    """The `--rollout` backend for the unwrapped `actor`: HF generate on a plain copy, a vLLM engine in each process
+    (its context `max_length`, seeded `seed` + rank), or a client of the vLLM server at `server_url` (see
+    start_server); only process 0 pushes weights to a server."""
     dtype = rollout_dtype(accelerator)
     if cfg.rollout == "hf":
         return HFGenerateBackend(actor, tokenizer, accelerator.device, dtype)
     rank = accelerator.process_index
     vllm_dtype = str(dtype).removeprefix("torch.")
-    common = dict(bucket_mb=cfg.vllm_sync_bucket_mb, sync_timeout_s=cfg.vllm_sync_timeout_s,
-                  probe_prompts=probe_prompts, probe_threshold=cfg.vllm_probe_threshold,
-                  transport=cfg.vllm_weight_sync_transport)
+    common = dict(bucket_mb=vllm_cfg.vllm_sync_bucket_mb, sync_timeout_s=vllm_cfg.vllm_sync_timeout_s,
+                  probe_prompts=probe_prompts, probe_threshold=vllm_cfg.vllm_probe_threshold,
+                  transport=vllm_cfg.vllm_weight_sync_transport)
     if cfg.rollout == "vllm":
-        return VLLMColocated(model_path, tokenizer, dtype=vllm_dtype, seed=cfg.seed + rank,
-                             max_model_len=cfg.max_length, tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-                             max_num_seqs=cfg.vllm_max_num_seqs,
-                             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                             enable_sleep_mode=cfg.vllm_enable_sleep_mode, kv_cache_gib=cfg.vllm_kv_cache_gib,
+        return VLLMColocated(model_path, tokenizer, dtype=vllm_dtype, seed=seed + rank,
+                             max_model_len=max_length, tensor_parallel_size=vllm_cfg.vllm_tensor_parallel_size,
+                             max_num_seqs=vllm_cfg.vllm_max_num_seqs,
+                             gpu_memory_utilization=vllm_cfg.vllm_gpu_memory_utilization,
+                             enable_sleep_mode=vllm_cfg.vllm_enable_sleep_mode, kv_cache_gib=vllm_cfg.vllm_kv_cache_gib,
                              world_size=accelerator.num_processes, **common)
     if cfg.rollout == "vllm-server":
         return VLLMServer(server_url, tokenizer, pushes=rank == 0, dtype=vllm_dtype, **common)

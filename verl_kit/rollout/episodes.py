@@ -20,14 +20,13 @@ the rounds of tool calls. The Rollout's response_mask covers only sampled tokens
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import inspect
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from verl_kit.config import load_object
+from verl_kit.config import EnvironmentConfig, load_object
 from verl_kit.errors import UserError
 from verl_kit.rollout.tools import (
     call_tool,
@@ -205,13 +204,19 @@ class Episodes:
             ep.messages += new
         return ep.messages
 
+    def generate(self, split, idx: list[int], params: SamplingParams, source: str = "dataset") -> Rollout:
+        """params.n episodes of each dataset row `split.rows[i]` (a rollout.prompts.Prompts), i in `idx`, in that
+        order (a row numbered i + 1 in errors): Rollouts' generation path, as rollouts.SingleTurn's."""
+        index = [i for i in idx for _ in range(params.n)]
+        return self.run([split.rows[i] for i in index], [i + 1 for i in index], params, source)
+
     def run(self, rows: list[dict], row_numbers: list[int], params: SamplingParams, source: str = "dataset"
             ) -> Rollout:
         """One episode per entry of `rows` (the caller repeats a row for each of its samples): a Rollout of
         len(rows) responses (params.n is ignored) with env_mask, env_reward and episodes set."""
         eps = [self.start(row, no, source) for row, no in zip(rows, row_numbers)]
         # HF generate then prefills only what each turn adds (the vLLM engines cache prefixes themselves)
-        with getattr(self.engine, "keep_prefixes", contextlib.nullcontext)():
+        with self.engine.keep_prefixes():
             self._play(eps, params)
         return self.to_rollout(eps)
 
@@ -292,10 +297,12 @@ def check_prefix_property(tokenizer, model_name: str, native_tools: bool) -> Non
                             "cannot keep the sampled tokens (docs/environments.md: use a template that appends)")
 
 
-def make_episodes(cfg, engine: RolloutBackend, tokenizer, model_name: str) -> Episodes | None:
-    """The Episodes of a run's flags (--environment_factory, --tools, --max_tool_calling_iterations,
-    --tool_timeout_s), or None when neither an environment nor tools are given (single-turn rollouts)."""
-    if not cfg.environment_factory and not cfg.tools:
+def make_episodes(cfg: EnvironmentConfig, engine: RolloutBackend, tokenizer, model_name: str,
+                  max_prompt_length: int, max_completion_length: int) -> Episodes | None:
+    """The Episodes of a run's EnvironmentConfig (--environment_factory, --tools, --max_tool_calling_iterations,
+    --tool_timeout_s), or None when neither an environment nor tools are given (single-turn rollouts);
+    `max_completion_length` bounds a whole episode."""
+    if not cfg.enabled:
         return None
     factory = None
     if cfg.environment_factory:  # module:Class, or name=module:Class,... (TRL's dict of factories)
@@ -310,4 +317,4 @@ def make_episodes(cfg, engine: RolloutBackend, tokenizer, model_name: str) -> Ep
             factory = load_object("environment_factory", cfg.environment_factory)
     tools = [load_object("tools", s) for s in (cfg.tools or "").split(",") if s.strip()]
     return Episodes(engine, tokenizer, model_name, factory, tools, cfg.max_tool_calling_iterations,
-                    cfg.tool_timeout_s, cfg.max_prompt_length, cfg.max_completion_length)
+                    cfg.tool_timeout_s, max_prompt_length, max_completion_length)

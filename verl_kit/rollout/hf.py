@@ -8,7 +8,8 @@ names: HF generate (below), a vLLM engine (rollout.vllm_engine) or a vLLM server
 The HF-generate backend keeps a plain (unsharded, hook-free) copy of the policy on each process. Under ZeRO-3, calling
 generate on the training engine would all-gather every layer's parameters again at every generated token; here they
 are gathered once per update, parameter by parameter (`load_weights`), and generation then runs at plain-model speed
-(measured in README). The price is one unsharded copy of the policy per process (in bf16 on GPU).
+(about 4x faster than on the ZeRO-3 engine for the 20M bench model on 2 processes, docs/rollouts.md). The price is
+one unsharded copy of the policy per process (in bf16 on GPU).
 
 Multi-turn episodes (rollout.episodes) generate each turn from the whole episode so far. Inside `keep_prefixes()`
 the backend keeps each call's KV cache, and a call whose prompts extend rows of the previous call (the next turn)

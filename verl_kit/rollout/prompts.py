@@ -3,16 +3,17 @@ evaluation through any rollout backend, the rollout metrics of a step and readab
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from verl_kit.algos.evaluation import pass_at_k
-from verl_kit.config import OnlineConfig
+from verl_kit.config import TrainConfig
 from verl_kit.data.datasets import load_splits, truncate
 from verl_kit.errors import UserError
 from verl_kit.metrics import progress
-from verl_kit.rollout.types import Rollout, SamplingParams
+from verl_kit.rollout.types import Rollout, SamplingParams, Scores
 from verl_kit.train.distributed import Tally, reduce_metrics, shard
 
 
@@ -25,7 +26,7 @@ class Prompts:
     ids: list[list[int]]
 
 
-def load_prompt_splits(cfg: OnlineConfig, tokenizer) -> tuple[Prompts, Prompts]:
+def load_prompt_splits(cfg: TrainConfig, tokenizer) -> tuple[Prompts, Prompts]:
     """The train and held-out prompts of a recipe config (the held-out set is empty without a test split)."""
     train_ds, test_ds = load_splits(cfg)
     splits = []
@@ -35,16 +36,16 @@ def load_prompt_splits(cfg: OnlineConfig, tokenizer) -> tuple[Prompts, Prompts]:
     return splits[0], splits[1]
 
 
-def rollout_metrics(ro: Rollout, scores: torch.Tensor, step_seconds: float, environments: tuple[str, ...] = ()
+def rollout_metrics(ro: Rollout, scored: Scores, step_seconds: float, environments: tuple[str, ...] = ()
                     ) -> dict:
     """reward/*, response_length/* and perf/tokens_per_s of a step's rollouts on all processes (collective); for
     multi-turn episodes also TRL's tools/call_frequency (tool calls per episode) and tools/failure_frequency (failed
     calls per call), episode/turns (assistant turns per episode) and episode/env_token_share (the response tokens the
     environment inserted), and per environment of the multi-environment form (`environments`, the same names on every
     process: Rollouts.environments) env/<name>/*. response_length counts the sampled tokens. Each reward source's own
-    scores (`ro.reward_sources`) as TRL's rewards/<name>/mean and rewards/<name>/std."""
-    lengths = ro.response_mask.sum(-1)
-    sources = {"score": scores, **{f"rewards/{k}": v for k, v in (ro.reward_sources or {}).items()}}
+    scores (`scored.sources`) as TRL's rewards/<name>/mean and rewards/<name>/std."""
+    lengths, scores = ro.response_mask.sum(-1), scored.total
+    sources = {"score": scores, **{f"rewards/{k}": v for k, v in scored.sources.items()}}
     t = reduce_metrics({"n": len(scores), **{k: v.sum() for k, v in sources.items()},
                         **{f"{k}_sq": (v.double() ** 2).sum() for k, v in sources.items()},
                         "tokens": lengths.sum(), "truncated": ro.truncated.sum(),
@@ -105,19 +106,20 @@ def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[lis
 
 
 @torch.no_grad()
-def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score, batch_size: int,
-             pass_threshold: float = 1.0, extra=None) -> dict:
-    """Mean score of the responses to the held-out `split` (`score(rows, rollout) -> (B,)`, no KL term), the
-    prompts sharded over processes, `batch_size` per generate call. Every process makes the same calls (ZeRO-3
+def evaluate(accelerator, generate: Callable[[list[int], SamplingParams], Rollout], split: Prompts,
+             params: SamplingParams, score, batch_size: int, pass_threshold: float = 1.0, extra=None,
+             environments: tuple[str, ...] = ()) -> dict:
+    """Mean score of the responses to the held-out `split` (`score(rows, rollout) -> Scores`, no KL term), the
+    prompts sharded over processes, `batch_size` per call of `generate(prompt indices, params)` (Rollouts.evaluate's:
+    the run's backend, or its episodes). Every process makes the same calls (ZeRO-3
     lockstep). The torch RNG is forked, so a run samples the same training rollouts with or without evaluation. With
     `params.seed`, every response gets its own seed (the seed plus its prompt's position). With `params.n` > 1
     responses per prompt, also eval/pass@k for k = 1, 2, 4, ... <= n: the mean over prompts of the unbiased pass@k
     (algos.pass_at_k), a response passing when its score is >= `pass_threshold`. Multi-turn episodes add
     eval/tools/call_frequency and eval/tools/failure_frequency (as the training metrics), and the multi-environment
-    form eval/env/<name>/reward_mean for each environment. `extra(rows, rollout) ->
+    form eval/env/<name>/reward_mean for each of `environments`. `extra(rows, rollout) ->
     {name: (B,)}` (optional): more per-response values, each reported as its mean over the responses, eval/<name>."""
     prompts, rows = split.ids, split.rows
-    environments = engine.episodes.environments if getattr(engine, "episodes", None) is not None else ()
     world, rank, n = accelerator.num_processes, accelerator.process_index, len(prompts)
     mine = shard(n, rank, world)
     tally = Tally()
@@ -127,16 +129,15 @@ def evaluate(accelerator, engine, split: Prompts, params: SamplingParams, score,
         for i in progress(starts, "eval", len(starts), accelerator.is_main_process):
             idx = mine[i:i + batch_size]
             first = (rank + world * i) * params.n  # this batch's first response, over all processes
-            episodes = {"rows": [rows[j] for j in idx], "row_numbers": [j + 1 for j in idx]} \
-                if getattr(engine, "episodes", None) is not None else {}  # multi-turn: episodes of the rows
-            ro = engine.generate([prompts[j] for j in idx], replace(params, seed=params.sample_seed(first)), **episodes)
+            ro = generate(idx, replace(params, seed=params.sample_seed(first)))
             rows_of = [rows[j] for j in idx for _ in range(params.n)]
-            scores = score(rows_of, ro).view(len(idx), params.n)
+            scored = score(rows_of, ro)
+            scores = scored.total.view(len(idx), params.n)
             real = torch.tensor([rank + world * (i + k) < n for k in range(len(idx))])  # not shard()'s wrap-around
             tally.add(responses=float(real.sum()) * params.n, score=scores[real],
                       tokens=ro.response_mask.view(len(idx), params.n, -1)[real],
                       **{f"extra/rewards/{k}/mean": v.view(len(idx), params.n)[real]
-                         for k, v in (ro.reward_sources or {}).items()})
+                         for k, v in scored.sources.items()})
             if ro.episodes is not None:  # multi-turn: tool calls (and failed ones) per episode
                 calls = torch.tensor([[e["tool_calls"], e["tool_failures"]] for e in ro.episodes], dtype=torch.float64)
                 calls = calls.view(len(idx), params.n, 2)[real]

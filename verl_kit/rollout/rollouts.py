@@ -35,37 +35,51 @@ from dataclasses import replace
 import torch
 
 from verl_kit.algos.sampling import group_rows, informative_groups, select_groups
-from verl_kit.config import OnlineConfig
+from verl_kit.config import EnvironmentConfig, RolloutConfig, TrainConfig, VLLMConfig
 from verl_kit.rollout.backends import make_backend, start_server
 from verl_kit.rollout.episodes import Episodes, make_episodes
 from verl_kit.rollout.prompts import Prompts, evaluate
-from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams, concat_rollouts, select_rows
+from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams, Scores, concat_rollouts, select_rows
 from verl_kit.rollout.vllm_server import ServerProcess
-from verl_kit.train.checkpoint import resume
 from verl_kit.train.distributed import all_reduce_max, reduce_metrics, step_indices, step_seed
 
 logger = logging.getLogger(__name__)
 
 
-class Rollouts:
-    """`request(step, k) -> (prompt indices, prompts, SamplingParams)`: what step `step` generates (k = 0), or its
-    k-th further batch (--dynamic_sampling); a pure function of both, so it can be asked ahead of time and again
-    after a resume; each batch carries its prompts' indices
-    (`Rollout.prompt_index`). `max_staleness`: None for synchronous rollouts, else how many steps ahead batches are
-    generated. `engine`: a RolloutBackend; `server`: a vLLM server the run started, stopped by close();
-    `eval_params`: the held-out evaluation's sampling; `pass_threshold`: the score a held-out response passes at."""
+class SingleTurn:
+    """The trivial episode: one generation per sample from its prompt's token ids (rollout.episodes.Episodes is the
+    multi-turn one; both have `generate(split, idx, params, source)` and `environments`)."""
 
-    def __init__(self, engine: RolloutBackend,
-                 request: Callable[[int, int], tuple[list[int], list[list[int]], SamplingParams]], total_steps: int,
+    environments: tuple[str, ...] = ()
+
+    def __init__(self, engine: RolloutBackend):
+        self.engine = engine
+
+    def generate(self, split: Prompts, idx: list[int], params: SamplingParams, source: str = "dataset") -> Rollout:
+        """params.n responses to each prompt `split.ids[i]`, i in `idx`, in that order."""
+        return self.engine.generate([split.ids[i] for i in idx], params)
+
+
+class Rollouts:
+    """Batches of the prompts of `split`: `request(step, k) -> (prompt indices, SamplingParams)` is what step `step`
+    generates (k = 0), or its k-th further batch (--dynamic_sampling); a pure function of both, so it can be asked
+    ahead of time and again after a resume; each batch carries its prompts' indices (`Rollout.prompt_index`).
+    `max_staleness`: None for synchronous rollouts, else how many steps ahead batches are generated. `engine`: a
+    RolloutBackend; `episodes`: multi-turn episodes over it (rollout.episodes), else each sample is one generation;
+    `server`: a vLLM server the run started, stopped by close(); `eval_params`: the held-out evaluation's sampling;
+    `pass_threshold`: the score a held-out response passes at."""
+
+    def __init__(self, engine: RolloutBackend, split: Prompts,
+                 request: Callable[[int, int], tuple[list[int], SamplingParams]], total_steps: int,
                  max_staleness: int | None = None, timeout_s: float = 1800, server: ServerProcess | None = None,
                  eval_params: SamplingParams | None = None, pass_threshold: float = 1.0,
-                 episodes: Episodes | None = None, rows: list[dict] | None = None):
+                 episodes: Episodes | None = None):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness {max_staleness}: use >= 0")
-        self.engine, self.request, self.total_steps = engine, request, total_steps
+        self.engine, self.split, self.request, self.total_steps = engine, split, request, total_steps
         self.server, self.eval_params, self.pass_threshold = server, eval_params, pass_threshold
         self.ahead, self.timeout_s = max_staleness, timeout_s
-        self.episodes, self.rows = episodes, rows  # multi-turn: episodes of the dataset rows (rollout.episodes)
+        self.episodes = episodes if episodes is not None else SingleTurn(engine)
         self.version = 0  # of the weights the engine has
         self.batches: dict[int, tuple[Future, int]] = {}  # step -> (its rollout, the version that generates it)
         self._jobs: queue.Queue = queue.Queue()
@@ -102,15 +116,13 @@ class Rollouts:
 
     def _submit(self, step: int) -> None:
         if step < self.total_steps and step not in self.batches:
-            idx, prompts, params = self.request(step, 0)
-            self.batches[step] = (self._call(self._generate, idx, prompts, params), self.version)
+            idx, params = self.request(step, 0)
+            self.batches[step] = (self._call(self._generate, self.split, idx, params), self.version)
 
-    def _generate(self, idx: list[int], prompts: list[list[int]], params: SamplingParams) -> Rollout:
-        index = [i for i in idx for _ in range(params.n)]
-        if self.episodes is not None:  # one episode per sample, each from its dataset row
-            return replace(self.episodes.run([self.rows[i] for i in index], [i + 1 for i in index], params),
-                           prompt_index=index)
-        return replace(self.engine.generate(prompts, params), prompt_index=index)
+    def _generate(self, split: Prompts, idx: list[int], params: SamplingParams, source: str = "dataset") -> Rollout:
+        """The one generation path: params.n samples (episodes) of each prompt of `split` in `idx`."""
+        ro = self.episodes.generate(split, idx, params, source)
+        return replace(ro, prompt_index=[i for i in idx for _ in range(params.n)])
 
     # ---- the trainer's side -------------------------------------------------------------------------------------
     def get(self, step: int) -> tuple[Rollout, int]:
@@ -124,29 +136,23 @@ class Rollouts:
     def more(self, step: int, k: int) -> Rollout:
         """The k-th further batch of `step` (k >= 1; --dynamic_sampling), generated now with the engine's weights
         (those of the step's own batch when synchronous), in turn with the queued batches."""
-        return self._wait(self._call(self._generate, *self.request(step, k)), f"batch {k} of step {step}")
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, rows: list[dict] | None = None,
-                 row_numbers: list[int] | None = None) -> Rollout:
-        """Generate now, in turn with the queued batches (held-out evaluation); with episodes, from `rows` (the dataset
-        rows of the prompts, numbered `row_numbers` for errors)."""
-        if self.episodes is not None and rows is not None:
-            rows_n = [r for r in rows for _ in range(params.n)]
-            numbers = [k for k in (row_numbers or range(1, len(rows) + 1)) for _ in range(params.n)]
-            return self._wait(self._call(self.episodes.run, rows_n, numbers, params, "the held-out split"),
-                              "an episode batch")
-        return self._wait(self._call(self.engine.generate, prompts, params), "a generation")
+        idx, params = self.request(step, k)
+        return self._wait(self._call(self._generate, self.split, idx, params), f"batch {k} of step {step}")
 
     @property
     def environments(self) -> tuple[str, ...]:
         """The environments' names of a multi-environment run (rollout_metrics' env/<name>/*), else ()."""
-        return self.episodes.environments if self.episodes is not None else ()
+        return self.episodes.environments
 
     def evaluate(self, accelerator, split: Prompts, score, batch_size: int, extra=None) -> dict:
-        """Held-out evaluation (rollout.prompts.evaluate) with the run's evaluation sampling, in turn with the queued
-        batches: eval/reward_mean, eval/response_length (and eval/pass@k with several responses per prompt, and
-        eval/<name> of `extra`'s per-response values)."""
-        return evaluate(accelerator, self, split, self.eval_params, score, batch_size, self.pass_threshold, extra)
+        """Held-out evaluation (rollout.prompts.evaluate) of `split` with the run's evaluation sampling, generated in
+        turn with the queued batches: eval/reward_mean, eval/response_length (and eval/pass@k with several responses
+        per prompt, and eval/<name> of `extra`'s per-response values)."""
+        def generate(idx: list[int], params: SamplingParams) -> Rollout:
+            return self._wait(self._call(self._generate, split, idx, params, "the held-out split"), "a generation")
+
+        return evaluate(accelerator, generate, split, self.eval_params, score, batch_size, self.pass_threshold,
+                        extra, self.environments)
 
     def load_weights(self, actor, version: int) -> dict:
         """Weight sync (collective), once the engine has finished every batch handed to it."""
@@ -184,18 +190,18 @@ class Rollouts:
             self.batches[int(step)] = (future, b["version"])
 
 
-def dynamic_sampling(rollouts: Rollouts, step: int, first: Rollout, scores: torch.Tensor, score,
-                     group_size: int, max_batches: int) -> tuple[Rollout, torch.Tensor, dict]:
+def dynamic_sampling(rollouts: Rollouts, step: int, first: Rollout, scored: Scores, score,
+                     group_size: int, max_batches: int) -> tuple[Rollout, Scores, dict]:
     """DAPO's dynamic sampling (algos.sampling): groups whose scores are all equal are dropped, and further batches of
-    the step (Rollouts.more, scored by `score(rollout) -> (B,)`) are generated until every process holds as many
+    the step (Rollouts.more, scored by `score(rollout) -> Scores`) are generated until every process holds as many
     informative groups as its first batch had groups, at most `max_batches` batches in all. Each process then keeps
     the same number of groups, the fewest any process found (so all run the same number of micro-batches and
     collectives), or, when some process found none, its first batch as it is. The number of batches is decided on
     all processes together (collective). Returns the step's rollout, its scores and rollout/* metrics (sums over
     processes)."""
-    target = len(scores) // group_size
-    batches, all_scores = [first], [scores]
-    informative = informative_groups(scores, group_size)
+    target = len(scored.total) // group_size
+    batches, all_scores = [first], [scored]
+    informative = informative_groups(scored.total, group_size)
     while True:
         fewest = int(-all_reduce_max(-float(informative.sum())))
         if fewest >= target or len(batches) >= max_batches:
@@ -203,7 +209,7 @@ def dynamic_sampling(rollouts: Rollouts, step: int, first: Rollout, scores: torc
         ro = rollouts.more(step, len(batches))
         batches.append(ro)
         all_scores.append(score(ro))
-        informative = torch.cat([informative, informative_groups(all_scores[-1], group_size)])
+        informative = torch.cat([informative, informative_groups(all_scores[-1].total, group_size)])
     take = min(fewest, target)
     if take < target:
         logger.warning("--dynamic_sampling: step %d found %d informative group(s) of %d on some process after %d "
@@ -211,48 +217,43 @@ def dynamic_sampling(rollouts: Rollouts, step: int, first: Rollout, scores: torc
                        f"training on {take} group(s) per process" if take else "training on its first batch as it is")
     rows = group_rows(select_groups(informative, target, take), group_size).tolist()
     counts = reduce_metrics({"rollout/groups_generated": len(informative), "rollout/groups_kept": take})
-    return (select_rows(concat_rollouts(batches), rows), torch.cat(all_scores)[rows],
+    return (select_rows(concat_rollouts(batches), rows), Scores.concat(all_scores).select(rows),
             {**counts, "rollout/gen_batches": len(batches)})
 
 
-def sampling_params(cfg: OnlineConfig) -> SamplingParams:
-    """A step's sampling (OnlineConfig flags)."""
-    return SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length, cfg.num_generations,
-                          cfg.ignore_eos)
+def sampling_params(cfg: RolloutConfig, n: int) -> SamplingParams:
+    """A step's sampling: the RolloutConfig flags, `n` responses per prompt (the recipe's num_generations)."""
+    return SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length, n, cfg.ignore_eos)
 
 
-def start_rollouts(cfg: OnlineConfig, accelerator, actor, model_path: str, tokenizer, prompt_ids: list[list[int]],
-                   total_steps: int, rows: list[dict] | None = None) -> tuple[Rollouts, int]:
-    """The online recipes' setup, in the one order that works: the `--rollout` backend (and the vLLM server a run
-    starts for itself), its Rollouts (synchronous, or --async_rollout ahead by --max_staleness) over `prompt_ids`,
-    resume from a checkpoint (with the batches generated ahead and not yet trained on), then the weight sync of the
-    (restored) unwrapped `actor` into the backend. Returns the Rollouts and the first step to train.
+def make_rollouts(cfg: RolloutConfig, vllm_cfg: VLLMConfig, env_cfg: EnvironmentConfig | None, train: TrainConfig,
+                  accelerator, actor, model_path: str, tokenizer, split: Prompts, total_steps: int,
+                  num_generations: int) -> Rollouts:
+    """The online recipes' rollouts: the `--rollout` backend (and the vLLM server a run starts for itself) for the
+    unwrapped `actor`, with multi-turn episodes of each dataset row when `env_cfg` names an environment or tools,
+    synchronous or (--async_rollout) ahead by --max_staleness, over the prompts of `split`, `num_generations`
+    responses each. The engine holds no trained weights yet: the recipe resumes, then syncs (Rollouts.load_weights).
 
     A step generates its prompts on this process (train.distributed.step_indices). The colocated engine seeds every
     sample from (seed, step, rank, index), so a resumed run draws the same ones, and evaluates with fixed seeds
-    (`Rollouts.eval_params`). With --environment_factory or --tools, every sample is a multi-turn episode of its
-    dataset row (`rows`, rollout.episodes) on the same backend."""
+    (`Rollouts.eval_params`)."""
     rank, world = accelerator.process_index, accelerator.num_processes
-    server, url = start_server(cfg, accelerator, model_path)
-    backend = make_backend(cfg, accelerator, actor, model_path, tokenizer, prompt_ids[:cfg.vllm_probe_size], url)
-    sampling = sampling_params(cfg)
-    episodes = make_episodes(cfg, backend, tokenizer, cfg.model_name_or_path)
-    if episodes is not None and rows is None:
-        raise ValueError("start_rollouts: episodes need the dataset rows (rows=)")
+    server, url = start_server(cfg, vllm_cfg, accelerator, model_path, train.max_length, train.seed)
+    backend = make_backend(cfg, vllm_cfg, accelerator, actor, model_path, tokenizer,
+                           split.ids[:vllm_cfg.vllm_probe_size], url, train.max_length, train.seed)
+    sampling = sampling_params(cfg, num_generations)
+    episodes = (make_episodes(env_cfg, backend, tokenizer, train.model_name_or_path, train.max_prompt_length,
+                              cfg.max_completion_length) if env_cfg is not None else None)
 
     def seed(step: int, k: int = 0) -> int | None:
-        return step_seed(cfg.seed + k, step, rank) if backend.per_sample_seeds else None
+        return step_seed(train.seed + k, step, rank) if backend.per_sample_seeds else None
 
     def request(step: int, k: int):
         # batch k >= 1 of a step (--dynamic_sampling) reads the prompts of another seeded order of the split: the
         # step's own batch (k = 0) stays what it is without the flag, and every batch is a function of (step, k)
-        idx = step_indices(len(prompt_ids), step, cfg.prompts_per_step, cfg.seed + k, rank, world)
-        return idx, [prompt_ids[i] for i in idx], replace(sampling, seed=seed(step, k))
+        idx = step_indices(len(split.ids), step, cfg.prompts_per_step, train.seed + k, rank, world)
+        return idx, replace(sampling, seed=seed(step, k))
 
-    rollouts = Rollouts(backend, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
-                        cfg.rollout_timeout_s, server=server, pass_threshold=cfg.pass_threshold,
-                        eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)),
-                        episodes=episodes, rows=rows)
-    start = resume(accelerator, cfg, per_rank=rollouts)
-    rollouts.load_weights(actor, version=start)
-    return rollouts, start
+    return Rollouts(backend, split, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
+                    cfg.rollout_timeout_s, server=server, pass_threshold=cfg.pass_threshold,
+                    eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)), episodes=episodes)

@@ -4,7 +4,8 @@ backend implements (RolloutBackend). Backends: HF generate (rollout.hf), a vLLM 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -47,8 +48,6 @@ class Rollout:
     env_reward         (B,) float32               each environment's get_reward() (0 without one)
     episodes           list of B dicts            turns, tool_calls, tool_failures, the messages of each episode and
                                                   its environment's name (multi-environment form, else None)
-    Set once scored (rewards.Rewards.of_rollout), else None:
-    reward_sources     {name: (B,) float32}       each reward source's own scores, unweighted (rewards/<name>/*)
     """
 
     prompt_ids: list[list[int]]
@@ -60,7 +59,6 @@ class Rollout:
     env_mask: torch.Tensor | None = None
     env_reward: torch.Tensor | None = None
     episodes: list[dict] | None = None
-    reward_sources: dict[str, torch.Tensor] | None = None
 
     @property
     def sequence_mask(self) -> torch.Tensor:
@@ -76,7 +74,7 @@ class Rollout:
 
 @runtime_checkable
 class RolloutBackend(Protocol):
-    """Every rollout backend. All four are called on every training process at the same points (the weight sync and
+    """Every rollout backend. All are called on every training process at the same points (the weight sync and
     the probe are collective under ZeRO-3). `per_sample_seeds`: the backend draws every sample from its own seed
     (SamplingParams.sample_seed), so the online recipes seed each step and a resumed run regenerates its samples."""
 
@@ -91,6 +89,11 @@ class RolloutBackend(Protocol):
 
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         """Per-token log-probs of seqs[i][1:] given their prefixes (temperature 1), as the backend computes them."""
+
+    def keep_prefixes(self) -> AbstractContextManager:
+        """Within it, successive generate calls may reuse what earlier calls computed for the prompts they extend
+        (multi-turn episodes: each turn's prompt is the episode so far); a no-op where the engine caches prefixes
+        itself (vLLM)."""
 
     def close(self) -> None:
         """Release the engine (processes, memory, shared-memory slots)."""
@@ -111,10 +114,7 @@ def concat_rollouts(batches: list[Rollout]) -> Rollout:
                    cat("sampling_logprobs"), torch.cat([b.truncated for b in batches]), index,
                    env_mask=cat("env_mask", False) if episodes else None,
                    env_reward=torch.cat([b.env_reward for b in batches]) if episodes else None,
-                   episodes=[e for b in batches for e in b.episodes] if episodes else None,
-                   reward_sources={k: torch.cat([b.reward_sources[k] for b in batches])
-                                   for k in batches[0].reward_sources}
-                   if all(b.reward_sources is not None for b in batches) else None)
+                   episodes=[e for b in batches for e in b.episodes] if episodes else None)
 
 
 def select_rows(ro: Rollout, rows: list[int]) -> Rollout:
@@ -125,6 +125,26 @@ def select_rows(ro: Rollout, rows: list[int]) -> Rollout:
                    None if ro.prompt_index is None else [ro.prompt_index[i] for i in rows],
                    env_mask=None if ro.env_mask is None else ro.env_mask[ix],
                    env_reward=None if ro.env_reward is None else ro.env_reward[ix],
-                   episodes=None if ro.episodes is None else [ro.episodes[i] for i in rows],
-                   reward_sources=None if ro.reward_sources is None
-                   else {k: v[ix] for k, v in ro.reward_sources.items()})
+                   episodes=None if ro.episodes is None else [ro.episodes[i] for i in rows])
+
+
+@dataclass
+class Scores:
+    """What a rollout's B responses scored (rewards.Rewards.of_rollout):
+    total    (B,) float32           the sequence score the advantages use (weighted sum of the sources, penalties)
+    sources  {name: (B,) float32}   each reward source's own scores, unweighted (the rewards/<name>/* metrics)
+    """
+
+    total: torch.Tensor
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def select(self, rows: list[int]) -> Scores:
+        """The scores of `rows`, in that order (as select_rows)."""
+        ix = torch.tensor(rows, dtype=torch.long)
+        return Scores(self.total[ix], {k: v[ix] for k, v in self.sources.items()})
+
+    @staticmethod
+    def concat(batches: list[Scores]) -> Scores:
+        """The scores of several batches, in order, as one (as concat_rollouts)."""
+        return Scores(torch.cat([b.total for b in batches]),
+                      {k: torch.cat([b.sources[k] for b in batches]) for k in batches[0].sources})

@@ -11,8 +11,8 @@ import torch
 
 from verl_kit.errors import UserError
 from verl_kit.rollout.probe import Probe, default_probe_threshold
+from verl_kit.rollout.synced import SyncedBackend, to_rollout
 from verl_kit.rollout.types import Rollout, SamplingParams
-from verl_kit.rollout.vllm_engine import SyncedBackend, to_rollout
 from verl_kit.rollout.vllm_server import auth_headers, is_loopback_url
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
-"""The colocated vLLM backend (rollout.types.RolloutBackend) and what it shares with the server's client
-(rollout.vllm_client.VLLMServer): SyncedBackend, the weight sync into the engine followed by the probe.
+"""The colocated vLLM backend (rollout.types.RolloutBackend); what it shares with the server's client
+(rollout.vllm_client.VLLMServer) is in rollout.synced.
 
 VLLMColocated   a `vllm.LLM` engine inside each training process (its engine core runs in a child process; the
                 script that builds it needs an `if __name__ == "__main__":` guard).
@@ -10,7 +10,7 @@ Both vLLM backends return response token ids and the log-probs of the sampled to
 returns the sync metrics, `rollout/logprob_max_abs_diff` among them.
 
 Orphans: the colocated engine's processes (and a run's server) are stopped within seconds when the training process
-dies, even by SIGKILL (verl_kit.rollout.vllm_server.OrphanGuard).
+dies, even by SIGKILL (verl_kit.launch.processes.OrphanGuard).
 
 Memory: on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB (`kv_cache_gib`). To fit trainer and engine on one GPU,
 give the engine a small `gpu_memory_utilization` (its weights + KV cache, e.g. 0.3 for a 7B bf16 policy on 80 GB)
@@ -29,9 +29,9 @@ import torch
 
 from verl_kit.errors import UserError
 from verl_kit.rollout.probe import Probe, default_probe_threshold
+from verl_kit.rollout.synced import SyncedBackend, orphan_guard, to_rollout
 from verl_kit.rollout.types import Rollout, SamplingParams
-from verl_kit.rollout.vllm_server import orphan_guard
-from verl_kit.rollout.weight_sync import WORKER_EXTENSION, SharedBuckets, sync_weights
+from verl_kit.rollout.worker_extension import WORKER_EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -75,74 +75,6 @@ def vllm_sampling(params: SamplingParams):
         n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
         max_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos, seed=params.seed,
         stop=params.stop, logprobs=0)
-
-
-def to_rollout(prompts_n: list[list[int]], completions: list[tuple[list[int], list[float], bool]], pad: int) -> Rollout:
-    """(token ids, sampled-token log-probs, truncated) per response -> Rollout. The engine stops at (and keeps) the
-    EOS, so every returned token is a response token."""
-    R = max(1, max(len(ids) for ids, _, _ in completions))
-    B = len(completions)
-    response = torch.full((B, R), pad, dtype=torch.long)
-    mask = torch.zeros((B, R), dtype=torch.bool)
-    logprobs = torch.zeros((B, R), dtype=torch.float32)
-    truncated = torch.zeros(B, dtype=torch.bool)
-    for i, (ids, lps, trunc) in enumerate(completions):
-        if len(ids) != len(lps):
-            raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} log-probs")
-        response[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        mask[i, :len(ids)] = True
-        logprobs[i, :len(ids)] = torch.tensor(lps, dtype=torch.float32)
-        truncated[i] = trunc
-    return Rollout(prompts_n, response, mask, logprobs, truncated)
-
-
-class SyncedBackend:
-    """Shared by both vLLM backends: weight sync into the engine, then the probe. `transport`: "auto" (same-host
-    slots in /dev/shm when the engine runs on this host) or "inline" (base64 through the RPC;
-    --vllm_weight_sync_transport)."""
-
-    probe: Probe | None
-    bucket_mb: float
-    sync_timeout_s: float
-    transport: str = "auto"
-
-    def _push(self, blobs: list[str], seconds: float) -> None:
-        raise NotImplementedError
-
-    def _commit(self, seconds: float) -> None:
-        raise NotImplementedError
-
-    def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    _shared: SharedBuckets | None = None  # the same-host slots, created at the first sync that uses them
-
-    def _close_shared(self) -> None:
-        if self._shared is not None:
-            self._shared.close()
-
-    @property
-    def pushes(self) -> bool:
-        return True
-
-    @property
-    def same_host(self) -> bool:
-        """Whether the engine's workers run on this host (and read buckets from its /dev/shm)."""
-        return True
-
-    def load_weights(self, actor, version: int = 0) -> dict:
-        """Weight sync + probe. Collective: every training process calls it at the same point, after each update.
-        Returns weight_sync/* metrics (`version`: the optimizer step that produced these weights, the policy version
-        the next rollouts come from) and the probe's rollout/* metrics; raises RuntimeError when the probe fails."""
-        slots = self.pushes and self.same_host and self.transport == "auto" and os.path.isdir("/dev/shm")
-        if slots and self._shared is None:
-            self._shared = SharedBuckets()
-        metrics = sync_weights(actor, self._push if self.pushes else None, self._commit if self.pushes else None,
-                               self.bucket_mb, self.sync_timeout_s, self._shared if slots else None)
-        metrics["weight_sync/version"] = version
-        if self.probe is not None:
-            metrics.update(self.probe.check(self.score, actor, self.pushes))
-        return metrics
 
 
 class VLLMColocated(SyncedBackend):

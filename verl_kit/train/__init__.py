@@ -25,6 +25,7 @@ from verl_kit.train.checkpoint import (
 )
 from verl_kit.train.distributed import (
     Tally,
+    Update,
     all_gather,
     all_reduce_max,
     derived_seed,
@@ -39,6 +40,7 @@ from verl_kit.train.distributed import (
     step_seed,
     steps_indices,
     unshard,
+    updates,
     zero_stage,
 )
 from verl_kit.train.scoring import Sequences, completion_sequences, make_batch, score_items, score_subset

@@ -77,6 +77,12 @@ class ResponseIndex:
     row: torch.Tensor
     pos: torch.Tensor
 
+    def gather(self, values: torch.Tensor, device=None) -> torch.Tensor:
+        """The micro-batch's (M,) slice of a rollout tensor: per response (B,) -> each token's response's value, per
+        token (B, R) -> each token's own value; on `device`."""
+        out = values[self.row] if values.dim() == 1 else values[self.row, self.pos]
+        return out if device is None else out.to(device)
+
 
 def pack_responses(prompt_ids: list[list[int]], response_ids: torch.Tensor, response_mask: torch.Tensor,
                    rows: list[int], pad_id: int, packing: bool, packing_length: int,
@@ -124,8 +130,8 @@ class ResponsePacker:
     """Packs rollout rows for the forward passes of actor, critic and reference, the layout fitted to the policy
     (block mask unless flash-attention; pack or pad by cost, packing.layout) and the packing flags of a TrainConfig."""
 
-    def __init__(self, cfg: TrainConfig, pad_id: int, model):
-        self.cfg, self.pad_id = cfg, pad_id
+    def __init__(self, cfg: TrainConfig, pad_id: int, model, temperature: float = 1.0):
+        self.cfg, self.pad_id, self.temperature = cfg, pad_id, temperature
         self.block_mask = uses_block_mask(model)
         self.hidden_size = model.config.hidden_size
 
@@ -134,10 +140,19 @@ class ResponsePacker:
                               self.cfg.packing, self.cfg.packing_length, self.block_mask, self.hidden_size,
                               rollout.env_mask)
 
+    def forward(self, model, rollout, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor, ResponseIndex]:
+        """`model`'s logits (M, V) and log-probs (M,) at the sampling temperature of the response tokens of rollout
+        `rows` (one micro-batch), and where each token comes from. A frozen model's (a teacher's) build no graph."""
+        batch, index = self(rollout, rows)
+        trained = any(p.requires_grad for p in model.parameters())
+        with torch.set_grad_enabled(torch.is_grad_enabled() and trained):
+            logits = actor_logits(model, batch.to(device), index, self.temperature)
+            return logits, logprobs_from_logits(logits, index.targets.to(device)), index
+
     def logprobs(self, model, rollout, chunks: list[list[int]], device) -> torch.Tensor:
-        """(B, R) log-probs of every response token under `model` at the sampling temperature (`cfg.temperature`)."""
+        """(B, R) log-probs of every response token under `model` at the sampling temperature."""
         return self.per_token(lambda batch, ix: logprobs_from_logits(actor_logits(model, batch, ix,
-                                                                                  self.cfg.temperature), ix.targets),
+                                                                                  self.temperature), ix.targets),
                               rollout, chunks, device)
 
     @torch.no_grad()

@@ -12,7 +12,6 @@ linear): 57 MB per checkpoint (adapter 20 MB + its AdamW state) instead of 570 M
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -171,32 +170,33 @@ def _frozen_left_out(accelerator, active: bool, loading: str | None = None):
         handle.remove()
 
 
-def resume(accelerator, cfg: TrainConfig, per_rank=None) -> int:
-    """`--resume_from_checkpoint` ('auto' or a path; TrainConfig fields): restore every prepared model, optimizer,
-    scheduler and RNG from it (and `per_rank`'s state: save_checkpoint), after checking that the run's model, data and
-    maths flags are the checkpoint's. Returns the step to continue from, 0 when there is nothing to resume."""
+def resume(accelerator, cfg: TrainConfig, flags: dict, per_rank=None) -> int:
+    """`--resume_from_checkpoint` ('auto' or a path): restore every prepared model, optimizer, scheduler and RNG from
+    it (and `per_rank`'s state: save_checkpoint), after checking that the run's model, data and maths flags (`flags`:
+    every flag of the run, config.Args.flags) are the checkpoint's. Returns the step to continue from, 0 when there
+    is nothing to resume."""
     path = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
     if not path:
         return 0
-    return load_checkpoint(accelerator, path, model_flags(cfg), per_rank, run_fingerprint(cfg),
+    return load_checkpoint(accelerator, path, model_flags(cfg), per_rank, run_fingerprint(cfg, flags),
                            cfg.resume_ignore_changes)["step"]
 
 
-def save_if_due(accelerator, cfg: TrainConfig, step: int, per_rank=None) -> None:
-    """Checkpoint after optimizer step `step` every `--save_steps` (0: never), keeping `--save_total_limit`."""
+def save_if_due(accelerator, cfg: TrainConfig, step: int, flags: dict, per_rank=None) -> None:
+    """Checkpoint after optimizer step `step` every `--save_steps` (0: never), keeping `--save_total_limit`;
+    `flags`: every flag of the run (config.Args.flags), recorded for the resume check."""
     if cfg.save_steps and step % cfg.save_steps == 0:
         save_checkpoint(accelerator, cfg.output_dir, step, cfg.save_total_limit, model_flags(cfg), per_rank,
-                        run_fingerprint(cfg))
+                        run_fingerprint(cfg, flags))
 
 
-def run_fingerprint(cfg: TrainConfig) -> dict:
+def run_fingerprint(cfg: TrainConfig, flags: dict) -> dict:
     """What a resumed run must share with the checkpoint to continue the same training: `data`, the content hash of
     the train split (data.split_fingerprint: the rows, in order, whatever the file is called), and `flags`, every
-    config field but MODEL_FLAGS (checked on their own) and FREE_FLAGS, JSON values."""
-    flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-             if f.name not in FREE_FLAGS and f.name not in MODEL_FLAGS}
+    flag of the run (`flags`) but MODEL_FLAGS (checked on their own) and FREE_FLAGS, JSON values."""
+    kept = {k: v for k, v in flags.items() if k not in FREE_FLAGS and k not in MODEL_FLAGS}
     return {"data": split_fingerprint(cfg.dataset_name, cfg.dataset_train_split, cfg.dataset_config),
-            "data_source": f"{cfg.dataset_name} {cfg.dataset_train_split}", "flags": json.loads(json.dumps(flags))}
+            "data_source": f"{cfg.dataset_name} {cfg.dataset_train_split}", "flags": json.loads(json.dumps(kept))}
 
 
 def run_changes(saved: dict | None, now: dict) -> list[str]:

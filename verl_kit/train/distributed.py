@@ -9,6 +9,8 @@ import datetime
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -207,6 +209,30 @@ def micro_batches(cfg: TrainConfig, items: list, costs: list[int]) -> list[list]
         return [[items[i] for i in c] for c in split_by_tokens(costs, None, n_chunks=n)]
     size = cfg.per_device_train_batch_size
     return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+@dataclass
+class Update:
+    """One optimizer step of a rollout batch's update schedule (see `updates`): pass `epoch`, the minibatch's rollout
+    `rows`, their micro-batches `chunks` (micro_batches), and whether it is the step's `last` update (the LR
+    schedule advances once per step)."""
+
+    epoch: int
+    rows: list[int]
+    chunks: list[list[int]]
+    last: bool
+
+
+def updates(cfg: TrainConfig, step: int, costs: list[int], epochs: int, num_mini_batches: int) -> Iterator[Update]:
+    """The online recipes' update loop over one rollout batch of len(costs) rows (`costs`: tokens of each row's
+    forward pass): `epochs` passes, each over the rows in a new seeded order (derived from cfg.seed, step and the
+    pass) cut into `num_mini_batches` minibatches, each split into micro-batches. Collective when micro-batches are
+    cut by a token budget."""
+    for epoch in range(epochs):
+        mbs = minibatches(len(costs), num_mini_batches, derived_seed(cfg.seed, step, epoch))
+        for j, rows in enumerate(mbs):
+            yield Update(epoch, rows, micro_batches(cfg, rows, [costs[i] for i in rows]),
+                         epoch == epochs - 1 and j == len(mbs) - 1)
 
 
 def minibatches(n_rows: int, num_mini_batches: int, seed: int) -> list[list[int]]:
