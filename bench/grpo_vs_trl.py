@@ -30,7 +30,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.model = h.build_model()
     out = h.RESULTS / "grpo_vs_trl"
-    flags = ["--prompts_per_step", str(PROMPTS), "--num_generations", str(GENERATIONS), "--beta", "0.04"]
+    flags = ["--prompts_per_step", str(PROMPTS), "--num_generations", str(GENERATIONS), "--beta", "0.04",
+             "--reward_fn", "verl_kit.rewards:kind_words"]  # TRL's side scores with the same function
     results, lines = {"args": vars(args)}, []
     h.compare_workloads(args, h.prompt_sets(args.model), results, lines, "grpo_vs_trl", "TRL 1.16 GRPOTrainer",
                         lambda t, path: h.run_online(args, out, t, "grpo.py", flags + ["--dataset_name", path]),

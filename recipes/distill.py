@@ -104,8 +104,8 @@ def main():
     prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
-    student = models.with_lora(models.load_causal_lm(model_path, attn, cfg.train.gradient_checkpointing), cfg.train)
-    actor = train.Trainable(accelerator, student, cfg.train, cfg.train.learning_rate, total_steps)
+    actor = train.Trainable(accelerator, models.load_policy(model_path, cfg.train), cfg.train, cfg.train.learning_rate,
+                            total_steps)  # the student
     # frozen, ZeRO-3 sharded like a reference; its tokenizer checked to be the student's (one line otherwise)
     teacher = train.load_teacher(accelerator, dist.teacher_model_name_or_path, tokenizer, attn)
     widths = (actor.unwrapped().config.vocab_size, getattr(teacher, "module", teacher).config.vocab_size)

@@ -96,8 +96,7 @@ def main():
     items = lambda exs: [train.completion_sequences(e.prompt_ids, [e.chosen_ids, e.rejected_ids]) for e in exs]
     lengths = lambda exs: torch.tensor([[len(e.chosen_ids), len(e.rejected_ids)] for e in exs], dtype=torch.float32)
 
-    model = models.with_lora(models.load_causal_lm(model_path, tc.attn_implementation, tc.gradient_checkpointing,
-                                                   tc.load_in_4bit), tc)
+    model = models.load_policy(model_path, tc)  # with its LoRA adapter when --use_peft
     block_mask = models.uses_block_mask(model)
     per_step = tc.per_device_train_batch_size * tc.gradient_accumulation_steps * world  # pairs per optimizer step
     total_steps = tc.total_steps(len(pairs), per_step)

@@ -113,8 +113,8 @@ def main():
     prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
-    policy = models.with_lora(models.load_causal_lm(model_path, attn, cfg.train.gradient_checkpointing), cfg.train)
-    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)
+    actor = train.Trainable(accelerator, models.load_policy(model_path, cfg.train), cfg.train, cfg.train.learning_rate,
+                            total_steps)
     # the initial policy; with --use_peft the actor itself with its adapter disabled (no second copy of the weights)
     ref = None if grpo.beta == 0 else models.reference(actor.model) if cfg.train.use_peft else \
         train.frozen(accelerator, lambda: models.load_causal_lm(model_path, attn))

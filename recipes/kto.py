@@ -96,8 +96,7 @@ def main():
                        "%d undesirable) is outside [1, 4/3], the range the KTO paper recommends; adjust "
                        "--desirable_weight / --undesirable_weight", balance, n_d, n_u)
 
-    model = models.with_lora(models.load_causal_lm(model_path, tc.attn_implementation, tc.gradient_checkpointing,
-                                                   tc.load_in_4bit), tc)
+    model = models.load_policy(model_path, tc)  # with its LoRA adapter when --use_peft
     block_mask = models.uses_block_mask(model)
     per_step = tc.per_device_train_batch_size * tc.gradient_accumulation_steps * world  # examples per step
     total_steps = tc.total_steps(len(examples), per_step)

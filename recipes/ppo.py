@@ -78,8 +78,8 @@ def main():
     prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn, checkpointing = cfg.train.attn_implementation, cfg.train.gradient_checkpointing
-    policy = models.with_lora(models.load_causal_lm(model_path, attn, checkpointing), cfg.train)
-    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)
+    actor = train.Trainable(accelerator, models.load_policy(model_path, cfg.train), cfg.train, cfg.train.learning_rate,
+                            total_steps)
     critic_path = (model_path if ppo.critic_init == "policy"
                    else models.resolve_model_path(cfg.rewards.reward_model_name_or_path))
     critic_model = train.CriticModel.from_pretrained(critic_path, ppo.critic_init, attn, checkpointing)

@@ -66,8 +66,7 @@ def main():
     items = lambda exs: [([e.input_ids], [e.loss_mask]) for e in exs]  # one scored sequence per example
     learned = lambda exs: sum(sum(e.loss_mask) for e in exs)
 
-    model = models.with_lora(models.load_causal_lm(model_path, tc.attn_implementation, tc.gradient_checkpointing,
-                                                   tc.load_in_4bit), tc)
+    model = models.load_policy(model_path, tc)  # with its LoRA adapter when --use_peft
     block_mask = models.uses_block_mask(model)
     per_step = tc.per_device_train_batch_size * tc.gradient_accumulation_steps * world  # sequences per step
     total_steps = tc.total_steps(len(examples), per_step)

@@ -173,7 +173,7 @@ ARITH_CONFIG = "recipes/configs/grpo_arith.yaml"
 
 def test_arith_task_data_rewards_and_two_grpo_steps(smollm2_path, tmp_path):
     """The RLVR task for the real model (verl_kit.data.tasks arith, recipes/configs/grpo_arith.yaml): the shipped data
-    is what `python -m verl_kit.data.tasks arith` writes (fixed seed), loads as chat prompts with a string `answer`
+    is what `python -m verl_kit.data arith` writes (fixed seed), loads as chat prompts with a string `answer`
     column, and holds out problems the train split never shows; through Rewards with the `answer` column math_answer
     scores a right and a wrong reference completion 1/0, and so does the config's final_number, which also refuses the
     bare restated question that math_answer credits; a 2-step GRPO run with the config completes and logs

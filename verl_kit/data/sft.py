@@ -17,7 +17,7 @@ one does not). Every piece is tokenized on its own, as prompt and completion are
 
 Truncation, the kit's one rule (datasets.truncate): the tokens before the first learned token (the prompt) keep their
 last `max_prompt_length`, then the sequence is cut at `max_length`. Regenerate the embedded SFT task (the tone task's
-prompts with the kind replies, as `messages`) with `python -m verl_kit.data.sft`.
+prompts with the kind replies, as `messages`) with `python -m verl_kit.data sft`.
 """
 
 from __future__ import annotations
@@ -167,11 +167,3 @@ def write_sft_data(out_dir: str = TINY_SFT, n_train: int = 2000, n_test: int = 2
         with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
             for row in make_preference_rows(n, seed):
                 f.write(json.dumps({"messages": row["prompt"] + row["chosen"]}) + "\n")
-
-
-# ---- reward model ------------------------------------------------------------------------------------------------
-
-
-if __name__ == "__main__":
-    write_sft_data()
-    print(f"wrote {TINY_SFT}/train.jsonl and test.jsonl")

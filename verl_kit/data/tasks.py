@@ -4,11 +4,11 @@ seed.
 arith   "What is 17 + 25? Reply with only the number." (operands 1..30): chat-message `prompt`, reference `answer` (a
         string, "42"). 128 held-out problems (test.jsonl) never appear in train.jsonl (3000 rows drawn from the other
         772 problems, each 3-4 times). Scored with `verl_kit.rewards:final_number`. Regenerate the shipped files with
-        `python -m verl_kit.data.tasks arith`; recipes/configs/grpo_arith.yaml trains on it.
+        `python -m verl_kit.data arith`; recipes/configs/grpo_arith.yaml trains on it.
 calc    "What is 924 * 607? Use the calculate tool, then reply with only the number." (operands 100..999): the same
         columns, 2000 train rows, 128 held-out problems; for the calculator tool (examples/environments.py:Calculator,
         recipes/configs/grpo_calc.yaml). SmolLM2-135M-Instruct gets none right without the tool and never calls it
-        unprompted; `python -m verl_kit.data.tasks calc` rewrites the shipped files.
+        unprompted; `python -m verl_kit.data calc` rewrites the shipped files.
 
 Why this task for SmolLM2-135M-Instruct (measured with vLLM on the 128 held-out prompts, final_number as the
 scorer): the model knows the form and often the sum ("14 + 9 = 23"), but not reliably: greedy it is right on 0.33 of
@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -83,7 +82,7 @@ def write_arith(out_dir: str = ARITH, **kwargs) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m verl_kit.data.tasks", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m verl_kit.data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="task", required=True)
     presets = (("arith", ARITH, dict(n_train=3000, lo=1, hi=30, ops="+", instruction=ARITH_INSTRUCTION)),
                ("calc", CALC, dict(n_train=2000, lo=100, hi=999, ops="*", instruction=CALC_INSTRUCTION)))
@@ -101,7 +100,3 @@ def main(argv: list[str] | None = None) -> None:
     n_train, n_test = write_arith(args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, hi=args.hi,
                                   lo=args.lo, ops=args.ops, instruction=args.instruction)
     print(f"wrote {n_train} train and {n_test} test rows to {args.out}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

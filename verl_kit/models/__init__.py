@@ -7,6 +7,7 @@ from verl_kit.models.loading import (
     default_attn_implementation,
     export_hf,
     load_causal_lm,
+    load_policy,
     load_tokenizer,
     quantized,
     resolve_model_path,

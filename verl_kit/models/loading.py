@@ -13,7 +13,7 @@ import shutil
 import torch
 
 from verl_kit.errors import UserError
-from verl_kit.models.lora import export_adapter, peft_model
+from verl_kit.models.lora import export_adapter, peft_model, with_lora
 from verl_kit.models.real_model import SMOLLM2_DIR_NAME, SMOLLM2_NAME, check_gguf, smollm2_gguf_path
 from verl_kit.models.tiny import TINY_MODEL_NAME
 
@@ -124,6 +124,13 @@ def check_shared_tokenizer(student, teacher, teacher_flag: str) -> None:
     if why:
         raise UserError(f"{teacher_flag}: the teacher's tokenizer is not the student's: {why}; teacher and student "
                         "must share vocabulary, special tokens and chat template")
+
+
+def load_policy(path: str, cfg) -> torch.nn.Module:
+    """The policy a recipe trains, as its TrainConfig asks: the causal LM at `path` with --attn_implementation,
+    --gradient_checkpointing and (OfflineConfig) --load_in_4bit, and a new LoRA adapter when --use_peft."""
+    return with_lora(load_causal_lm(path, cfg.attn_implementation, cfg.gradient_checkpointing,
+                                    getattr(cfg, "load_in_4bit", False)), cfg)
 
 
 def load_causal_lm(path: str, attn_implementation: str | None = None, gradient_checkpointing: bool = False,
