@@ -56,7 +56,7 @@ DEMO ?= recipes/ppo.py
 
 # The main job on the embedded default: PPO; `make demo DEMO=recipes/dpo.py` (or kto.py, grpo.py) for the others.
 demo: install
-	$(PY) $(DEMO) --config recipes/configs/$(basename $(notdir $(DEMO)))_tiny.yaml --output_dir outputs/demo
+	$(PY) $(DEMO) --config recipes/configs/$(basename $(notdir $(DEMO)))_tiny.yaml --output_dir outputs/demo --overwrite_output_dir
 
 # Multi-process tests bind to 127.0.0.1 and use gloo over loopback. Two pytest-xdist workers (TEST_WORKERS=0: one
 # process): most tests keep one core busy, not two; tests/conftest.py keeps each module, and all the vLLM tests, on one
@@ -105,6 +105,9 @@ clean:
 #   make cluster-up                                        local head: node and dashboard on 127.0.0.1:8265
 #   make cluster-up NODE_IP=10.0.0.1 DASHBOARD_HOST=0.0.0.0   head of a real cluster (then on every other node:)
 #   make cluster-up HEAD=10.0.0.1:6379 NODE_IP=10.0.0.2       join it
+# Beyond loopback `cluster-up` needs Ray's token auth: RAY_AUTH_MODE=token exported on every node and client, and the
+# token of `ray get-auth-token --generate` (~/.ray/auth_token, chmod 600, copied to each) or RAY_AUTH_TOKEN.
+# Secrets (HF_TOKEN, WANDB_API_KEY, ...) are not sent with a job: export them where each node's `cluster-up` runs.
 #   make cluster-run RECIPE=recipes/dpo.py CONFIG=recipes/configs/dpo_tiny.yaml NODES=2 PROCS_PER_NODE=8 \
 #        ACCELERATE_CONFIG=accelerate_configs/zero3.yaml ARGS='--output_dir /shared/runs/dpo'
 #   make cluster-status | cluster-logs [JOB=id] | cluster-stop [JOB=id] | cluster-down
@@ -152,9 +155,11 @@ cluster-down: install
 # ---- vLLM server for rollouts (--rollout vllm-server; docs/rollouts.md) --------------------------------------------
 #   make vllm-serve MODEL=tiny-llama                       OpenAI-compatible server on http://127.0.0.1:8000
 #   make vllm-serve MODEL=/path/to/model VLLM_PORT=8001 VLLM_ARGS='--dtype bfloat16 --gpu-memory-utilization 0.9'
-# then: python recipes/ppo.py --rollout vllm-server --vllm_server_url http://127.0.0.1:8000
+# then, as it prints: VLLM_API_KEY=$(cat ~/.cache/verl_kit/vllm-serve/8000.key) \
+#                         python recipes/ppo.py --rollout vllm-server --vllm_server_url http://127.0.0.1:8000
 # Bound to 127.0.0.1, with the dev endpoints and worker extension the weight sync uses
-# (verl_kit/rollout/worker_extension.py).
+# (verl_kit/rollout/worker_extension.py), and a key required on every request: VLLM_API_KEY if set, else a fresh one
+# in that 0600 file.
 MODEL ?= tiny-llama
 VLLM_PORT ?= 8000
 VLLM_ARGS ?=

@@ -22,7 +22,8 @@ def grpo(mode: str, rnd: int, args, model: str) -> list[dict]:
     cmd = [PYTHON, str(ROOT / "recipes" / "grpo.py"), "--model_name_or_path", model, "--rollout", "vllm-server",
            "--max_steps", str(args.steps), "--prompts_per_step", str(args.prompts), "--num_generations", "4",
            "--max_completion_length", str(args.new_tokens), "--ignore_eos", "true", "--logging_steps", "1",
-           "--eval_steps", "1000000", "--dataset_test_split", "none", "--output_dir", str(out)]
+           "--eval_steps", "1000000", "--dataset_test_split", "none", "--output_dir", str(out),
+           "--overwrite_output_dir"]
     if mode == "async":
         cmd.append("--async_rollout")
     env = bench_env()

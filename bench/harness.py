@@ -258,7 +258,8 @@ def run_recipe(s, args, recipe: str, tag: str, packing: bool, hyper: dict, extra
     seen), plus the run's wall time and the load average before and after."""
     out_dir = s.out / "runs" / tag
     cmd = [PYTHON, f"recipes/{recipe}", "--model_name_or_path", s.model_dir, "--dataset_name", str(s.data),
-           "--dataset_test_split", "none", "--output_dir", str(out_dir), "--max_steps", str(args.warmup + args.steps),
+           "--dataset_test_split", "none", "--output_dir", str(out_dir), "--overwrite_output_dir",
+           "--max_steps", str(args.warmup + args.steps),
            "--logging_steps", "1", "--per_device_train_batch_size", str(args.batch_size),
            "--packing", str(packing).lower(), "--packing_length", str(args.packing_length),
            "--gradient_checkpointing", str(args.gradient_checkpointing).lower(), "--max_prompt_length", "256",
@@ -480,6 +481,7 @@ def run_online(args, out: Path, tag: str, recipe: str, extra: list[str], length:
     the measured steps' metrics."""
     one_update = ["--num_ppo_epochs", "1"] if recipe == "ppo.py" else ["--num_iterations", "1"]
     cmd = [PYTHON, str(ROOT / "recipes" / recipe), "--model_name_or_path", args.model, "--output_dir", str(out / tag),
+           "--overwrite_output_dir",
            "--max_steps", str(args.warmup + args.steps), "--max_completion_length", str(length or LENGTH),
            "--ignore_eos", str(length is None).lower(), *one_update, "--num_mini_batches", "1",
            "--per_device_train_batch_size", "64",

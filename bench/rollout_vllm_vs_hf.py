@@ -34,7 +34,8 @@ def ppo_generation_share(rollout: str, steps: int, new_tokens: int) -> float:
     out = h.RESULTS / "rollout_vllm_vs_hf" / f"ppo_{rollout}"
     h.run([h.PYTHON, str(h.ROOT / "recipes" / "ppo.py"), "--rollout", rollout, "--max_steps", str(steps),
          "--max_completion_length", str(new_tokens), "--ignore_eos", "true", "--logging_steps", "1",
-         "--output_dir", str(out)], out.with_suffix(".log"), 1200, env=h.bench_env(), prefix=f"[ppo {rollout}] ")
+         "--output_dir", str(out), "--overwrite_output_dir"], out.with_suffix(".log"), 1200, env=h.bench_env(),
+        prefix=f"[ppo {rollout}] ")
     rows = [json.loads(line) for line in open(out / "metrics.jsonl") if line.strip()]
     return h.median([r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:] or rows])
 

@@ -155,6 +155,7 @@ def main():
             log.log(step + 1, {"loss": t["loss"] / per_step, "rewards/accuracy": t["correct"] / per_step,
                                "rewards/margin": t["margin"] / per_step, "rewards/chosen": t["chosen"] / per_step,
                                "rewards/rejected": t["rejected"] / per_step, "grad_norm": grad_norm,
+                               "nonfinite_skips": policy.nonfinite_skips,
                                "learning_rate": policy.learning_rate, "perf/tokens_per_s": t["tokens"] / dt,
                                "timing_s/step": dt, "tokens": t["tokens"]})
         if test and ((step + 1) % tc.eval_steps == 0 or step + 1 == total_steps):

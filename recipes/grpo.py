@@ -225,7 +225,8 @@ def main():
                    "reward/frac_zero_std": t["flat_groups"] / t["groups"],
                    "kl": t["kl"] / t["tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
-                   "grad_norm": sum(grad_norms) / len(grad_norms), "learning_rate": actor.learning_rate,
+                   "grad_norm": sum(grad_norms) / len(grad_norms), "nonfinite_skips": actor.nonfinite_skips,
+                   "learning_rate": actor.learning_rate,
                    "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(), **sampled,
                    **timer.seconds, **sync_metrics}
         log.advance(reward=metrics["reward/mean"])

@@ -176,6 +176,7 @@ def main():
                     by_class.update({f"logratio/{cls}": lr / n, f"rewards/{cls}": kto.beta * lr / n})
             log.log(step + 1, {"loss": t["loss"] / per_step, "kl": z0.item(),
                                "rewards/accuracy": t["correct"] / per_step, **by_class, "grad_norm": grad_norm,
+                               "nonfinite_skips": policy.nonfinite_skips,
                                "learning_rate": policy.learning_rate,
                                "perf/tokens_per_s": tokens / dt, "timing_s/step": dt, "tokens": tokens})
         if test and ((step + 1) % tc.eval_steps == 0 or step + 1 == total_steps):

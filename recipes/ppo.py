@@ -5,7 +5,9 @@ forward passes.
     python recipes/ppo.py                                   # one process, embedded tiny model and task
     python recipes/ppo.py --config recipes/configs/ppo_tiny.yaml --max_steps 40
     python recipes/ppo.py --rollout vllm                    # a vLLM engine in the process generates
-    python recipes/ppo.py --rollout vllm-server --vllm_server_url http://127.0.0.1:8000   # after `make vllm-serve`
+    python recipes/ppo.py --rollout vllm-server            # the run starts its own server, with its own key
+    VLLM_API_KEY=$(cat ~/.cache/verl_kit/vllm-serve/8000.key) python recipes/ppo.py --rollout vllm-server \
+        --vllm_server_url http://127.0.0.1:8000             # after `make vllm-serve` (it prints this line)
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/ppo.py
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 8 recipes/ppo.py \
         --config recipes/configs/ppo_gpu.yaml
@@ -193,6 +195,7 @@ def main():
         metrics = {"kl": kl_mean, "kl_coef": kl_coef,
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    "grad_norm": sum(grad_norms["actor"]) / len(grad_norms["actor"]),
+                   "nonfinite_skips": actor.nonfinite_skips, "critic/nonfinite_skips": critic.nonfinite_skips,
                    "critic/vf_loss": t["vf_loss"] / t["tokens"], "critic/vf_clipfrac": t["vf_clipfrac"] / t["tokens"],
                    "critic/explained_var": explained,
                    "critic/grad_norm": sum(grad_norms["critic"]) / len(grad_norms["critic"]),

@@ -109,7 +109,8 @@ def main():
         log.advance(loss=t["nll"] / n_tokens)
         if (step + 1) % tc.logging_steps == 0 or step == start:
             log.log(step + 1, {"loss": t["nll"] / n_tokens, "grad_norm": grad_norm,
-                               "learning_rate": policy.learning_rate, "learned_tokens": n_tokens, "tokens": t["tokens"],
+                               "nonfinite_skips": policy.nonfinite_skips, "learning_rate": policy.learning_rate,
+                               "learned_tokens": n_tokens, "tokens": t["tokens"],
                                "perf/tokens_per_s": t["tokens"] / dt, "timing_s/step": dt})
         if test and ((step + 1) % tc.eval_steps == 0 or step + 1 == total_steps):
             evaluate(step + 1)

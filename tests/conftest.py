@@ -1,6 +1,11 @@
 """Session fixtures: what is expensive to make is made once per run of the suite and shared by the tests that only
 need it running (the tiny and the real model, one vLLM server on the tiny model); tests that kill, crash or resume
-an engine start their own."""
+an engine start their own.
+
+The folders mirror verl_kit/ (algos/, data/, models/, train/, rollout/, rewards/, launch/) plus recipes/ (each recipe's
+learning, resume and multi-process runs, one file per recipe). They have no __init__.py: pytest's default (prepend)
+import mode puts each test file's folder and this one on sys.path, so `from helpers import ...` works everywhere and
+every test file's name must be unique across the folders."""
 
 import os
 from pathlib import Path
@@ -87,7 +92,9 @@ SHARED = SharedServer()
 @pytest.fixture
 def vllm_server(tiny_model_path):
     """A running ServerProcess (fp32, 127.0.0.1) on the tiny model, shared by the session. Its weights are whatever
-    the previous user synced: a test that compares with the base model syncs it first."""
+    the previous user synced: a test that compares with the base model syncs it first. It requires its key
+    (`.api_key`) on every request: clients in this process get it by themselves (vllm_server.use_key), a recipe run
+    against it needs VLLM_API_KEY=vllm_server.api_key."""
     return SHARED.get(tiny_model_path)
 
 

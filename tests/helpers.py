@@ -1,5 +1,7 @@
 """Shared test helpers: run recipes as subprocesses, launch them under accelerate inside a loopback-only network
-namespace, read their metrics and exported weights."""
+namespace, read their metrics and exported weights; a recipe's config classes, JSON-lines data, and a reward model
+over another vocabulary, for the tests of several folders. Importable as `helpers` from every folder under tests/ (no
+`__init__.py` there: pytest puts tests/, conftest's folder, on sys.path)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,13 @@ def isolated(cmd: list[str]) -> list[str]:
         quoted = " ".join(f"'{c}'" for c in cmd)
         return ["unshare", "-n", "bash", "-c", f"ip link set lo up && exec {quoted}"]
     return cmd
+
+
+def recipe_args(recipe: str) -> dict[str, type]:
+    """The recipe's ARGS (role -> config class), read from the recipe file as it is (recipes/ is not a package)."""
+    import runpy
+
+    return runpy.run_path(str(REPO / "recipes" / recipe), run_name="recipe_under_test")["ARGS"]
 
 
 def recipe_cmd(recipe: str, args: list[str]) -> list[str]:
@@ -255,3 +264,36 @@ def assert_adapter_export(final: Path, classifier: bool = False):
         out = [m.eval()(input_ids=ids).logits for m in (adapted, merged, base)]
     assert torch.allclose(out[0], out[1], atol=1e-4), float((out[0] - out[1]).abs().max())
     assert float((out[1] - out[2]).abs().max()) > 1e-6  # the adapter was trained (and exported)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+RM_TEMPLATE = "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
+
+
+def build_reward_model(out: str) -> str:
+    """A tiny LlamaForSequenceClassification over a *different* tokenizer: a 300-token BPE trained on other text,
+    other special tokens and another chat template than the policy's. Written to `out`; returns it."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["[USER] [ASSISTANT] the cat sat on the mat", "kind words and warm replies", "zebra quartz jukebox"] * 5
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                        chat_template=RM_TEMPLATE)
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
+        num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)

@@ -1,21 +1,14 @@
 """Every flag mistake the config classes refuse, in one place: each case parses a recipe's ARGS as its main() does
 (config.parse: each role's __post_init__, then the rules across roles) and expects one line naming the flag. How a
-user meets them (exit code 2, one line on stderr, no traceback) is tests/test_recipes.py::test_user_errors_are_one_line.
-"""
-
-import runpy
+user meets them (exit code 2, one line on stderr, no traceback) is
+tests/recipes/test_all_recipes.py::test_user_errors_are_one_line."""
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import recipe_args
 
 from verl_kit.config import parse
 from verl_kit.errors import UserError
-
-
-def recipe_args(recipe: str) -> dict[str, type]:
-    return runpy.run_path(str(REPO / "recipes" / recipe), run_name="recipe_under_test")["ARGS"]
-
 
 CASES = [
     # DPO's loss flags (DPOConfig) and a training flag (OfflineConfig)
@@ -36,6 +29,10 @@ CASES = [
      "discopop, sft, not sigmoid,apo_zero"),
     ("dpo.py", ["--f_divergence_type", "kl"], "--f_divergence_type: 'kl' is not one of reverse_kl, forward_kl,"),
     ("dpo.py", ["--eval_steps", "0"], "--eval_steps: must be >= 1, got 0"),
+    # checkpoints (TrainConfig; docs/long-runs.md)
+    ("sft.py", ["--save_interval_minutes", "-1"], "--save_interval_minutes: must be >= 0, got -1.0"),
+    ("sft.py", ["--overwrite_output_dir", "--resume_from_checkpoint", "auto"],
+     "--overwrite_output_dir starts afresh and --resume_from_checkpoint continues a run: pass one of them"),
     ("kto.py", ["--beta", "-1"], "--beta: must be > 0, got -1.0"),
     # LoRA flags mean something only with --use_peft (TrainConfig)
     ("dpo.py", ["--lora_r", "8"], "--lora_r is a LoRA flag: add --use_peft"),

@@ -101,10 +101,18 @@ class TrainConfig(Config):
         "help": "sdpa, eager or flash_attention_2; default: flash_attention_2 on CUDA when installed, else sdpa"})
     logging_steps: int = field(default=5, metadata={"help": "log every N optimizer steps"})
     eval_steps: int = field(default=50, metadata={"help": "evaluate every N optimizer steps (and at the end)"})
-    save_steps: int = field(default=0, metadata={"help": "checkpoint every N optimizer steps; 0 saves none"})
-    save_total_limit: int = field(default=2, metadata={"help": "keep the last K checkpoints"})
+    save_steps: int = field(default=0, metadata={
+        "help": "also checkpoint every N optimizer steps; 0: by --save_interval_minutes only"})
+    save_interval_minutes: float = field(default=30.0, metadata={
+        "help": "checkpoint at the first step boundary this many minutes after the last checkpoint or the start (a "
+                "crash loses at most about this much work); 0: off. SIGTERM/SIGUSR1 save and exit either way"})
+    save_total_limit: int = field(default=2, metadata={"help": "keep the last K checkpoints of this run; 0 keeps all"})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "start afresh in an --output_dir that holds another run's checkpoints or final/, deleting them "
+                "(refused otherwise)"})
     resume_from_checkpoint: str | None = field(default=None, metadata={
-        "help": "'auto' (latest complete checkpoint in output_dir, if any) or a checkpoint path"})
+        "help": "'auto' (the latest complete checkpoint in output_dir that loads, if any) or a checkpoint path; "
+                "newer checkpoints move to output_dir/superseded"})
     resume_ignore_changes: bool = field(default=False, metadata={
         "help": "resume although the training data or a flag that changes the maths differs from the checkpoint's "
                 "(refused by default; docs/checkpoints.md)"})
@@ -126,6 +134,10 @@ class TrainConfig(Config):
             self.dataset_test_split = None
         self.at_least(1, "per_device_train_batch_size", "max_length", "packing_length", "logging_steps",
                       "eval_steps")
+        self.at_least(0, "save_steps", "save_interval_minutes", "save_total_limit")
+        if self.overwrite_output_dir and self.resume_from_checkpoint:
+            raise UserError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues a run: "
+                            "pass one of them")
         check_lora_flags(self, types.SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(self)}))
         if self.max_prompt_length >= self.max_length:
             raise UserError(f"--max_prompt_length ({self.max_prompt_length}) must be below --max_length "
@@ -283,13 +295,13 @@ class RewardConfig(Config):
     missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of responses without EOS"})
     reward_timeout_s: float | None = field(default=None, metadata={
         "help": "seconds a reward function call may take (a plain function's batch call, an async one's per-sample "
-                "call); unset: no limit, plain functions run on the main thread (math_answer's own per-expression "
-                "limits need it)"})
+                "call), then it is interrupted, nothing left running; unset: no limit"})
     reward_max_concurrency: int = field(default=16, metadata={
         "help": "`async def` reward functions: calls in flight at once (one per sample)"})
     reward_fallback: float | None = field(default=None, metadata={
-        "help": "the score of a response whose reward call timed out or raised, counted in reward/timeouts and "
-                "reward/errors; unset: the run stops with one line naming the function and the sample"})
+        "help": "the score of a response whose reward call timed out or raised, or whose score is NaN or inf, counted "
+                "in reward/timeouts and reward/errors; unset: the run stops with one line naming the source and the "
+                "sample"})
 
     def __post_init__(self):
         super().__post_init__()

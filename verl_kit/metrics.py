@@ -10,6 +10,7 @@ import math
 import os
 import time
 
+from verl_kit.durable import write_text
 from verl_kit.errors import UserError
 
 logger = logging.getLogger("verl_kit")
@@ -89,9 +90,30 @@ def check_writable(output_dir: str) -> None:
         raise UserError(f"--output_dir {output_dir}: not writable ({e.strerror})") from None
 
 
+def rows_through(path: str, step: int) -> list[str]:
+    """The lines of a JSON-lines log (metrics.jsonl, samples.jsonl) whose `step` is at most `step`. A line that does
+    not parse (the last one, torn by a crash mid-write) is dropped with a warning naming the file and line."""
+    kept, torn = [], []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                torn.append(number)
+                continue
+            if row.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if torn:
+        logger.warning(f"{path}: line {', '.join(map(str, torn))} is not JSON (cut short by a crash?): dropped")
+    return kept
+
+
 class MetricsLogger:
     """Main-process sink for metrics. On resume, rows past the resumed step (logged by the killed run after its last
-    checkpoint) are dropped so that metrics.jsonl reads as one run."""
+    checkpoint) are dropped so that metrics.jsonl reads as one run; the files are rewritten atomically, and each row
+    is synced to the device as it is appended (a checkpoint never outlives the metrics before it)."""
 
     def __init__(self, accelerator, output_dir: str, total_steps: int, start_step: int = 0, config: dict | None = None,
                  run_name: str | None = None):
@@ -105,10 +127,7 @@ class MetricsLogger:
             return
         for path in (self.path, self.samples_path):
             if os.path.exists(path):
-                with open(path) as f:
-                    rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
-                with open(path, "w") as f:
-                    f.writelines(rows if start_step > 0 else [])
+                write_text(path, "".join(rows_through(path, start_step)) if start_step > 0 else "")
         if accelerator.log_with:
             init = {"wandb": {"name": run_name}} if run_name else {}
             accelerator.init_trackers("verl-kit", config=config, init_kwargs=init)
@@ -123,8 +142,7 @@ class MetricsLogger:
             return
         row = {"step": step, "elapsed_s": round(time.time() - self.start, 3),
                **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        _append(self.path, [json.dumps(row) + "\n"])
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=step)
         # Per-phase timings and weight-sync details go to metrics.jsonl and the trackers, not the console line.
@@ -136,8 +154,7 @@ class MetricsLogger:
         one INFO line, and send them as a table to wandb when it is a tracker."""
         if not self.main or not samples:
             return
-        with open(self.samples_path, "a") as f:
-            f.writelines(json.dumps(s, default=str) + "\n" for s in samples)
+        _append(self.samples_path, [json.dumps(s, default=str) + "\n" for s in samples])
         s = samples[0]
         logger.info(f"sample at step {s['step']}: reward={_fmt(s['reward'])} prompt={_short(s['prompt'])!r} "
                     f"completion={_short(s['completion'])!r} reference={_short(s.get('reference'))!r}")
@@ -162,6 +179,13 @@ class MetricsLogger:
         if self.accelerator.log_with:
             self.accelerator.end_training()
         plot_curves(self.path, plot_keys, os.path.join(os.path.dirname(self.path), "curves.png"))
+
+
+def _append(path: str, lines: list[str]) -> None:
+    with open(path, "a") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _short(x, n: int = 80) -> str:

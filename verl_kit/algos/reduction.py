@@ -1,6 +1,6 @@
 """Loss reductions over a whole step: every recipe turns its per-token or per-example losses into one micro-batch's
 share of a mean over all micro-batches on all ranks, with `global_mean_share`, so that the gradient does not depend on
-how the step was split across ranks and micro-batches (tested against one process in tests/test_engine.py)."""
+how the step was split across ranks and micro-batches (tested against one process in tests/train/test_engine.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Multi-node runs on a Ray cluster: the recipe and accelerate config of a local run, launched once per node.
 
     python -m verl_kit.launch.cluster up                                    # local head on 127.0.0.1, dashboard :8265
-    python -m verl_kit.launch.cluster up --address HEAD_IP:6379 --node_ip MY_IP   # join a head from another node
+    RAY_AUTH_MODE=token python -m verl_kit.launch.cluster up --node_ip HEAD_IP    # a head other machines reach
+    RAY_AUTH_MODE=token python -m verl_kit.launch.cluster up --address HEAD_IP:6379 --node_ip MY_IP   # join it
     python -m verl_kit.launch.cluster run --recipe recipes/dpo.py --nodes 2 --procs_per_node 8 \\
         --accelerate_config accelerate_configs/zero3.yaml -- --output_dir /shared/runs/dpo
     python -m verl_kit.launch.cluster status | logs [--job_id ID] | stop [--job_id ID] | down
@@ -17,6 +18,10 @@ from its actor and a child subreaper, so it still owns the training processes to
 it kills the whole tree when the launch ends, when it is told to stop, or when its actor dies (job stopped, driver
 killed, raylet gone). The placement group is removed in a `finally`, and Ray removes it anyway when the job's driver
 exits.
+
+Secrets stay off the dashboard: the job's runtime_env (shown in clear by Ray) carries no variable named like a
+credential (`job_env`); each node's launch reads its own from the environment its `cluster up` was started with.
+`up` beyond loopback refuses to start without Ray's token auth (`check_token_auth`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ from verl_kit.launch import processes
 PASS_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TORCHELASTIC_", "HF_", "TRANSFORMERS_", "WANDB_", "VERL_KIT_",
                      "DS_", "PYTORCH_", "FI_", "UCX_")
 PASS_ENV_NAMES = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "CUDA_LAUNCH_BLOCKING")
+# Never copied, whatever the prefix: a name with one of these words (HF_TOKEN, WANDB_API_KEY, ...) holds a credential,
+# and the job's runtime_env is shown in clear by Ray's dashboard and job API. Each node reads its own from the
+# environment its `cluster up` was started with, or from the libraries' login files (docs/cluster.md).
+SECRET_WORDS = frozenset({"TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "AUTH",
+                          "COOKIE"})
 WORKING_DIR_EXCLUDES = [".git", ".venv", "outputs", ".cache", "bench/results", "wandb", "**/__pycache__",
                         ".pytest_cache", ".ruff_cache"]
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
@@ -327,7 +337,50 @@ def _ray_bin() -> str:
     return exe if os.path.exists(exe) else "ray"
 
 
+def job_env(environ) -> tuple[dict, list[str]]:
+    """The variables a job carries to every node in its runtime_env (which Ray's dashboard shows), and the names of
+    the secrets left out of it: those with a SECRET_WORDS word among their `_`-separated parts."""
+    passed = {k: v for k, v in environ.items() if k.startswith(PASS_ENV_PREFIXES) or k in PASS_ENV_NAMES}
+    withheld = sorted(k for k in passed if not SECRET_WORDS.isdisjoint(k.upper().split("_")))
+    return {k: v for k, v in passed.items() if k not in withheld}, withheld
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_token_auth(args, environ) -> None:
+    """`up` beyond loopback (a node, dashboard or head address another machine can reach) needs Ray's token auth on:
+    RAY_AUTH_MODE=token and a token (RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, which
+    other users must not read). Otherwise anyone who reaches the head runs code as this user. Exits with one line."""
+    hosts = [args.node_ip] + ([args.address.rsplit(":", 1)[0]] if args.address else [args.dashboard_host or ""])
+    public = [h for h in hosts if h and not _is_loopback(h)]
+    if not public:
+        return
+    hint = ("`ray get-auth-token --generate` (writes ~/.ray/auth_token; chmod 600 it and copy it to every node and "
+            "every machine that submits), then export RAY_AUTH_MODE=token there too")
+    if environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        raise SystemExit(f"error: cluster up on {public[0]} (beyond loopback) needs Ray's token auth: {hint}")
+    if environ.get("RAY_AUTH_TOKEN"):
+        return
+    path = environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise SystemExit(f"error: cluster up on {public[0]}: RAY_AUTH_MODE=token but no token in RAY_AUTH_TOKEN or "
+                         f"{path}: {hint}") from None
+    if mode & 0o077:
+        raise SystemExit(f"error: cluster up on {public[0]}: the Ray token {path} is readable by other users "
+                         f"(mode {oct(mode & 0o777)}): chmod 600 {shlex.quote(path)}")
+
+
 def up(args) -> int:
+    check_token_auth(args, os.environ)
     cmd = [_ray_bin(), "start", "--node-ip-address", args.node_ip, "--disable-usage-stats"]
     if args.address:
         cmd += ["--address", args.address]
@@ -420,8 +473,10 @@ def run(args) -> int:
         if path and not os.path.isfile(path):
             raise SystemExit(f"error: {flag}: no such file {path!r} (paths are relative to the working dir)")
     out = _output_dir(args)
-    env = {k: v for k, v in os.environ.items()
-           if (k.startswith(PASS_ENV_PREFIXES) or k in PASS_ENV_NAMES)}
+    env, withheld = job_env(os.environ)
+    if withheld:
+        print(f"[cluster] not sent to the nodes (secrets): {', '.join(withheld)}; each node reads its own from the "
+              "environment its `cluster up` started with (docs/cluster.md)", flush=True)
     driver = [args.python, "-m", "verl_kit.launch.cluster", "_driver", "--recipe", args.recipe,
               "--nodes", str(args.nodes),
               "--procs_per_node", str(args.procs_per_node), "--accelerate_config", args.accelerate_config,

@@ -12,6 +12,7 @@ import shutil
 
 import torch
 
+from verl_kit.durable import replace_dir, write_failure
 from verl_kit.errors import UserError
 from verl_kit.models.lora import export_adapter, peft_model, with_lora
 from verl_kit.models.real_model import SMOLLM2_DIR_NAME, SMOLLM2_NAME, check_gguf, smollm2_gguf_path
@@ -167,7 +168,9 @@ def uses_block_mask(model) -> bool:
 
 
 def export_hf(accelerator, model, tokenizer, out_dir: str) -> None:
-    """Write the model (ZeRO-3 shards gathered) as safetensors + tokenizer to `out_dir`, atomically. A LoRA model:
+    """Write the model (ZeRO-3 shards gathered) as safetensors + tokenizer to `out_dir`, atomically and durably: into
+    `out_dir.tmp`, synced, then renamed in, an earlier `out_dir` renamed aside first and deleted last
+    (durable.replace_dir). A write that fails (no space) is one line, the earlier `out_dir` intact. A LoRA model:
     the adapter in `out_dir`, the merged model in `out_dir/merged` (verl_kit.models.lora.export_adapter)."""
 
     state_dict = accelerator.get_state_dict(model)
@@ -175,11 +178,18 @@ def export_hf(accelerator, model, tokenizer, out_dir: str) -> None:
         tmp = out_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)
-        if peft_model(unwrapped) is not None:
-            export_adapter(unwrapped, state_dict, tokenizer, tmp)
-        else:
-            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.rename(tmp, out_dir)
+        try:
+            if peft_model(unwrapped) is not None:
+                export_adapter(unwrapped, state_dict, tokenizer, tmp)
+            else:
+                unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+                tokenizer.save_pretrained(tmp)
+            replace_dir(tmp, out_dir)
+        except Exception as e:
+            reason = write_failure(e, os.path.dirname(os.path.abspath(out_dir)))
+            if reason is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"{out_dir}: writing the final model failed ({reason}); the checkpoints and any earlier "
+                            f"{os.path.basename(out_dir)}/ are intact") from None
     accelerator.wait_for_everyone()

@@ -3,6 +3,7 @@ own tokenizer and chat template), weighted and summed, with the missing-EOS pena
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -12,7 +13,7 @@ from verl_kit.algos.advantages import truncation_penalty
 from verl_kit.config import RewardConfig
 from verl_kit.errors import UserError
 from verl_kit.models.loading import resolve_model_path
-from verl_kit.rewards.functions import CallLimits, call_reward_fn, load_reward_fn, reward_columns
+from verl_kit.rewards.functions import CallLimits, call_reward_fn, load_reward_fn, nonfinite_score, reward_columns
 from verl_kit.rollout.types import Scores
 from verl_kit.train.distributed import reduce_metrics
 from verl_kit.train.trainable import frozen
@@ -44,6 +45,8 @@ class Rewards:
             self.weights = [float(w) for w in weights.split(",")] if weights else [1.0] * n
         except ValueError:
             raise UserError(f"--reward_weights {weights!r}: expected comma-separated numbers") from None
+        if not all(math.isfinite(w) for w in self.weights):
+            raise UserError(f"--reward_weights {weights!r}: expected finite numbers")
         if (n == 0 and not env_reward) or len(self.weights) != n:  # env_reward: an environment's get_reward
             raise UserError(f"--reward_weights: {len(self.weights)} weight(s) for {n} reward source(s) "
                             "(--reward_fn entries, then --reward_model_name_or_path)")
@@ -54,7 +57,11 @@ class Rewards:
         model's directory name), in --reward_weights order."""
         scores = [call_reward_fn(spec, fn, prompts, completions, columns, completion_ids, self.limits)
                   for spec, fn in self.fns]
-        scores += [self.reward_model.score(prompts, completions)] if self.reward_model else []
+        if self.reward_model:  # a non-finite score: --reward_fallback, or one line naming the model and the sample
+            scores.append(torch.tensor([nonfinite_score(f"reward model {self.names[-1]}", v, self.limits, p, c, i)
+                                        for i, (v, p, c) in enumerate(zip(
+                                            self.reward_model.score(prompts, completions).tolist(), prompts,
+                                            completions))], dtype=torch.float32))
         return dict(zip(self.names, scores))
 
     def total(self, sources: dict[str, torch.Tensor], truncated: torch.Tensor) -> torch.Tensor:
@@ -64,7 +71,8 @@ class Rewards:
 
     def metrics(self) -> dict[str, float]:
         """reward/timeouts and reward/errors: the responses scored by --reward_fallback since the run (or its resume)
-        started, summed over processes (a collective: every process calls it at the same point)."""
+        started (a call that timed out; one that raised or a non-finite score, of any source), summed over processes
+        (a collective: every process calls it at the same point)."""
         return reduce_metrics({"reward/timeouts": self.limits.timeouts, "reward/errors": self.limits.errors})
 
     def of_rollout(self, rows: list[dict], rollout) -> Scores:
@@ -72,16 +80,35 @@ class Rewards:
         `tokenizer`, set by make_rewards): the weighted total (B,) and each source's own scores (the environment's
         get_reward() as `environment`, added with weight 1 as TRL does). `rows`: the dataset row of each response
         (its `prompt` field, and the other columns the reward functions may read). The reward functions may also
-        take `completion_ids` (the responses' token ids)."""
+        take `completion_ids` (the responses' token ids). Nothing non-finite comes out: a source's NaN or inf score,
+        or a weighted total that overflows, is --reward_fallback (counted in reward/errors) or a one-line UserError
+        naming the source and the sample."""
         ids = [r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)]
         completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        sources = self.sources([r["prompt"] for r in rows], completions, reward_columns(rows),
-                               completion_ids=[x.tolist() for x in ids])
+        prompts = [r["prompt"] for r in rows]
+        sources = self.sources(prompts, completions, reward_columns(rows), completion_ids=[x.tolist() for x in ids])
         total = self.total(sources, rollout.truncated)
         if rollout.env_reward is not None:  # multi-turn: get_reward() is one more source
-            sources["environment"] = rollout.env_reward
-            total = total + rollout.env_reward
+            sources["environment"] = self.environment(rollout, prompts, completions)
+            total = total + sources["environment"]
+        total = torch.tensor([nonfinite_score("the weighted reward total", v, self.limits, p, c, i)
+                              for i, (v, p, c) in enumerate(zip(total.tolist(), prompts, completions))])
         return Scores(total, sources)
+
+    def environment(self, rollout, prompts: list, completions: list[str]) -> torch.Tensor:
+        """Each episode's get_reward() (B,): where it raised (rollout.episodes[i]["reward_error"], counted in
+        episode/env_errors) --reward_fallback, counted in reward/errors, or 0 without one (an environment without
+        get_reward adds 0); a non-finite value the fallback or a one-line UserError naming the environment."""
+        out = rollout.env_reward.clone()
+        for i, v in enumerate(out.tolist()):
+            info = rollout.episodes[i] if rollout.episodes else {}
+            if info.get("reward_error"):
+                self.limits.errors += self.limits.fallback is not None
+                out[i] = self.limits.fallback if self.limits.fallback is not None else 0.0
+            elif not math.isfinite(v):
+                source = f"environment {info['env_class']}.get_reward()" if info.get("env_class") else "get_reward()"
+                out[i] = nonfinite_score(source, v, self.limits, prompts[i], completions[i], i)
+        return out
 
 
 class RewardModel:

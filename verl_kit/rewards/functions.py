@@ -18,8 +18,9 @@ column it names or all of them if it takes **kwargs), as TRL does; otherwise the
 `completions` or `completion_ids` are refused. A wrong count, a non-finite value or an exception is a one-line
 UserError naming the function and the sample (the batch is retried one sample at a time, columns sliced alike).
 `async def` functions are awaited once per sample, concurrently; with CallLimits (the --reward_timeout_s,
---reward_max_concurrency and --reward_fallback flags) a call that times out or raises scores the fallback instead,
-counted (docs/algorithms.md, "Rewards that cannot stall a run").
+--reward_max_concurrency and --reward_fallback flags) a call that times out or raises, or a non-finite value, scores
+the fallback instead, counted (docs/algorithms.md, "Rewards that cannot stall a run"). A call past its timeout is
+interrupted where it is, on the main thread, leaving nothing running (verl_kit.deadline).
 
 Built-in functions: `kind_reply` (the embedded task, the online recipes' default reward), `kind_words` (the share of
 kind words, won by shortening replies), `math_answer` (1.0 when the completion's final answer equals the row's `answer`
@@ -38,12 +39,12 @@ from __future__ import annotations
 import inspect
 import math
 import re
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from verl_kit.config import load_object
+from verl_kit.deadline import DeadlineExceeded, call_with_deadline
 from verl_kit.errors import UserError
 from verl_kit.models.tiny import BAD, GOOD
 
@@ -88,7 +89,8 @@ def math_answer(prompts, completions, **columns) -> list[float]:
 
     math-verify times out with SIGALRM, which only works on the main thread: there each parse and comparison gets
     MATH_TIMEOUT_S seconds (then scores 0), and an alarm already pending (e.g. pytest-timeout's) is re-armed after;
-    on another thread it runs without a time limit."""
+    on another thread it runs without a time limit. --reward_timeout_s keeps it on the main thread (the recipes
+    score there), its limits with it."""
     import signal
     import threading
     import time
@@ -282,9 +284,9 @@ def _invoke(fn, plan: tuple[list[str] | None, list[str]], prompts: list, complet
 @dataclass
 class CallLimits:
     """What a reward call may cost and what a failed one scores (OnlineConfig's --reward_* flags), with the counts of
-    what happened: `timeout_s` per call (None: no limit, the call runs on the caller's thread), `fallback` the score
-    of a response whose call timed out or raised (None: the run stops with one line), `max_concurrency` async calls
-    in flight at once. `timeouts` and `errors` count the responses that got the fallback, since the run started."""
+    what happened: `timeout_s` per call (None: no limit), `fallback` the score of a response whose call timed out or
+    raised or whose score is not finite (None: the run stops with one line), `max_concurrency` async calls in flight
+    at once. `timeouts` and `errors` count the responses that got the fallback, since the run started."""
 
     timeout_s: float | None = None
     fallback: float | None = None
@@ -293,32 +295,11 @@ class CallLimits:
     errors: int = 0
 
 
-class RewardTimeout(Exception):
-    pass
-
-
-def _with_timeout(call, timeout_s: float | None):
-    """call() on a daemon thread, waited for `timeout_s` seconds (RewardTimeout after); None: here and now.
-    Python cannot stop a thread: one that times out runs on in the background until its function returns, its
-    result dropped; being a daemon it never keeps the process alive at exit."""
-    if timeout_s is None:
-        return call()
-    box = {}
-
-    def target():
-        try:
-            box["value"] = call()
-        except BaseException as e:  # noqa: BLE001 - raised again in the caller
-            box["error"] = e
-
-    t = threading.Thread(target=target, name="verl_kit-reward", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise RewardTimeout
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+def _with_timeout(call, timeout_s: float | None, name: str):
+    """call() cut after `timeout_s` seconds (deadline.DeadlineExceeded); None: here and now. On the main thread (the
+    recipes') the call runs there and is interrupted at the deadline, nothing left running; elsewhere on a thread
+    abandoned at the deadline, a few at most (verl_kit.deadline)."""
+    return call_with_deadline(call, timeout_s, f"reward function {name}")
 
 
 def _is_async(fn) -> bool:
@@ -343,32 +324,42 @@ def _sample(prompts, completions, i: int) -> str:
 
 def _async_values(name, fn, plan, prompts, completions, extra, limits: CallLimits) -> list:
     """An async function, awaited once per sample (one-element lists, columns sliced alike), at most
-    `max_concurrency` at a time, each cut after `timeout_s` (asyncio cancels it at its next await)."""
+    `max_concurrency` at a time, each cut after `timeout_s` (asyncio cancels it at its next await). The event loop
+    itself has an outer deadline, timeout_s x (ceil(n / max_concurrency) + 1): a call that blocks the loop without
+    awaiting (time.sleep, a blocking client) is interrupted there (verl_kit.deadline), and every sample not scored by
+    then counts as timed out."""
     import asyncio
+
+    results: dict[int, tuple[str, object]] = {}
 
     async def one(i, gate):
         async with gate:
             call = _invoke(fn, plan, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in extra.items()})
             try:
-                return "ok", list(await asyncio.wait_for(call, limits.timeout_s))
+                results[i] = "ok", list(await asyncio.wait_for(call, limits.timeout_s))
             except UserError:
                 raise
             except asyncio.TimeoutError:
-                return "timeout", None
+                results[i] = "timeout", None
             except Exception as e:  # noqa: BLE001 - scored by the fallback or reported in one line
-                return "error", e
+                results[i] = "error", e
 
     async def every():
         gate = asyncio.Semaphore(limits.max_concurrency)
-        return await asyncio.gather(*(one(i, gate) for i in range(len(completions))))
+        await asyncio.gather(*(one(i, gate) for i in range(len(completions))))
 
+    n = len(completions)
+    outer = None if limits.timeout_s is None else limits.timeout_s * (-(-n // limits.max_concurrency) + 1)
     loop = asyncio.new_event_loop()
     try:
-        results = loop.run_until_complete(every())
+        _with_timeout(lambda: loop.run_until_complete(every()), outer, name)
+    except DeadlineExceeded:
+        pass  # the samples without a result count as timed out
     finally:
-        loop.close()
+        _close_loop(loop, name)
     values = []
-    for i, (status, out) in enumerate(results):
+    for i in range(n):
+        status, out = results.get(i, ("timeout", None))
         if status == "ok" and len(out) != 1:
             raise UserError(f"reward function {name} returned {len(out)} values for 1 sample")
         values += out if status == "ok" else [_failed(
@@ -377,16 +368,34 @@ def _async_values(name, fn, plan, prompts, completions, extra, limits: CallLimit
     return values
 
 
+def _close_loop(loop, name: str) -> None:
+    """Cancel what an interrupted event loop still runs, give it a second to unwind, and close it (a loop still
+    running on an abandoned thread is left to it)."""
+    import asyncio
+
+    if loop.is_running():
+        return
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        try:
+            _with_timeout(lambda: loop.run_until_complete(asyncio.wait(pending, timeout=1.0)), 2.0, name)
+        except (DeadlineExceeded, Exception):  # noqa: BLE001 - what does not unwind is dropped with the loop
+            pass
+    loop.close()
+
+
 def _sync_values(name, fn, plan, prompts, completions, extra, limits: CallLimits) -> list:
     """A plain function, called once for the batch (cut after `timeout_s`: every sample then gets the fallback). When
     it raises, the samples are retried one by one (columns sliced alike) to find the ones that fail: those get the
     fallback, or the first one is named in the error."""
     n = len(completions)
     try:
-        return list(_with_timeout(lambda: _invoke(fn, plan, prompts, completions, extra), limits.timeout_s))
+        return list(_with_timeout(lambda: _invoke(fn, plan, prompts, completions, extra), limits.timeout_s, name))
     except UserError:
         raise
-    except RewardTimeout:
+    except DeadlineExceeded:
         where = f"on a batch of {n} samples (the first: prompt {_excerpt(prompts[0])})"
         return [_failed(name, limits, f"did not return within {limits.timeout_s:g} s (--reward_timeout_s)", where,
                         True) for _ in range(n)]
@@ -396,14 +405,15 @@ def _sync_values(name, fn, plan, prompts, completions, extra, limits: CallLimits
     for i in range(n):
         try:
             out = _with_timeout(lambda i=i: _invoke(fn, plan, prompts[i:i + 1], completions[i:i + 1],
-                                                    {k: v[i:i + 1] for k, v in extra.items()}), limits.timeout_s)
+                                                    {k: v[i:i + 1] for k, v in extra.items()}), limits.timeout_s,
+                               name)
             out = list(out)
             if len(out) != 1:
                 raise UserError(f"reward function {name} returned {len(out)} values for 1 sample")
             values += out
         except UserError:
             raise
-        except RewardTimeout:
+        except DeadlineExceeded:
             failed = True
             values.append(_failed(name, limits, f"did not return within {limits.timeout_s:g} s (--reward_timeout_s)",
                                   _sample(prompts, completions, i), True))
@@ -426,8 +436,9 @@ def call_reward_fn(name: str, fn, prompts: list, completions: list[str], columns
     concurrently (`limits`: CallLimits, the timeout, the cap on concurrent calls and the fallback). A call that
     raises or times out gives its samples `limits.fallback`, counted in limits.timeouts / limits.errors; without a
     fallback it is a UserError naming the function and the sample (when the batch call raises, the samples are
-    retried one by one to find it). A result of the wrong length or a non-finite or non-numeric value is always a
-    UserError naming the function and the sample; a UserError raised by the function passes as it is."""
+    retried one by one to find it). A non-finite value (NaN, inf) is scored and counted the same way (as an error).
+    A result of the wrong length or a non-numeric value is always a UserError naming the function and the sample; a
+    UserError raised by the function passes as it is."""
     limits = limits or CallLimits()
     extra = dict(columns or {})
     for key, values in extra.items():
@@ -445,7 +456,25 @@ def call_reward_fn(name: str, fn, prompts: list, completions: list[str], columns
     if len(values) != len(completions):
         raise UserError(f"reward function {name} returned {len(values)} values for {len(completions)} samples")
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise UserError(f"reward function {name} returned {v!r} for sample {i} (prompt {_excerpt(prompts[i])}, "
                             f"completion {_excerpt(completions[i])}); expected a finite number")
+        values[i] = nonfinite_score(f"reward function {name}", v, limits, prompts[i], completions[i], i)
     return torch.tensor([float(v) for v in values], dtype=torch.float32)
+
+
+def nonfinite_score(source: str, value: float, limits: CallLimits, prompt, completion: str, i: int) -> float:
+    """`value` when finite (beyond float32's range counts as inf), else --reward_fallback, counted in
+    limits.errors; without a fallback a one-line UserError naming `source` and the sample. A NaN or inf score would
+    turn the advantages, the loss and then the weights into NaN."""
+    if math.isfinite(value) and abs(value) <= FLOAT32_MAX:
+        return value
+    if limits.fallback is None:
+        raise UserError(f"{source} returned {value!r} for sample {i} (prompt {_excerpt(prompt)}, completion "
+                        f"{_excerpt(completion)}); expected a finite number (pass --reward_fallback <score> to score "
+                        "such samples and go on)")
+    limits.errors += 1
+    return limits.fallback
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)

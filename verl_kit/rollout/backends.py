@@ -13,7 +13,7 @@ from verl_kit.rollout.hf import HFGenerateBackend
 from verl_kit.rollout.types import RolloutBackend
 from verl_kit.rollout.vllm_client import VLLMServer
 from verl_kit.rollout.vllm_engine import VLLMColocated
-from verl_kit.rollout.vllm_server import ServerProcess
+from verl_kit.rollout.vllm_server import ServerProcess, use_key
 
 
 def rollout_dtype(accelerator) -> torch.dtype:
@@ -23,10 +23,11 @@ def rollout_dtype(accelerator) -> torch.dtype:
 
 def start_server(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, model_path: str, max_length: int,
                  seed: int) -> tuple[ServerProcess | None, str]:
-    """The vLLM server of a `--rollout vllm-server` run: `--vllm_server_url` when given (nothing started), else process
-    0 starts one on a free 127.0.0.1 port (stopped by `.stop()`, at exit, or when process 0 dies) and every process
-    gets its URL. Collective. Returns (the server this process started or None, its URL); (None, None) for the
-    other backends."""
+    """The vLLM server of a `--rollout vllm-server` run: `--vllm_server_url` when given (nothing started; its key, if
+    any, from VLLM_API_KEY), else process 0 starts one on a free 127.0.0.1 port (stopped by `.stop()`, at exit, or
+    when process 0 dies) with a fresh key, and every process gets its URL and, for its clients only, its key
+    (vllm_server.use_key: never in the environment). Collective. Returns (the server this process started or None,
+    its URL); (None, None) for the other backends."""
     if cfg.rollout != "vllm-server":
         return None, None
     if vllm_cfg.vllm_server_url:
@@ -39,10 +40,12 @@ def start_server(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, model_pa
                                extra=["--tensor-parallel-size", str(vllm_cfg.vllm_tensor_parallel_size),
                                       "--seed", str(seed)])
         atexit.register(server.stop)
-    box = [server.url if server else None]
+    box = [(server.url, server.api_key) if server else None]
     if accelerator.num_processes > 1:
         torch.distributed.broadcast_object_list(box, src=0)
-    return server, box[0]
+    url, key = box[0]
+    use_key(url, key)
+    return server, url
 
 
 def make_backend(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, actor, model_path: str, tokenizer,

@@ -15,6 +15,11 @@ prefix property), checked once at start (`check_prefix_property`).
 `--max_completion_length` bounds the whole episode (sampled plus environment tokens, TRL's meaning); a turn cut by
 it, or an environment message that would not fit, ends the episode truncated. `--max_tool_calling_iterations` bounds
 the rounds of tool calls. The Rollout's response_mask covers only sampled tokens, env_mask the inserted ones.
+
+Nothing the model writes stops the run: a tool call that does not parse, names no tool, raises or times out is an
+error result the model sees (tools/failure_frequency); `respond` or `get_reward` raising ends the episode, counted
+in episode/env_errors (get_reward's score is then --reward_fallback, or 0: Rewards.environment). Only `reset`, which
+sees the dataset row and not the model, stops the run in one line.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import logging
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -37,6 +44,8 @@ from verl_kit.rollout.tools import (
     tool_schema,
 )
 from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +64,9 @@ class _Episode:
     tool_calls: int = 0
     tool_failures: int = 0
     environment: str | None = None  # its name in the multi-environment form
+    row_no: int = 0  # in errors and warnings
+    env_errors: int = 0  # respond or get_reward raised
+    reward_error: str | None = None  # why get_reward gave no reward
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.ids += ids
@@ -82,6 +94,7 @@ class Episodes:
         self.max_iterations, self.tool_timeout_s = max_tool_calling_iterations, tool_timeout_s
         self.max_prompt_length, self.max_completion_length = max_prompt_length, max_completion_length
         self.native_tools = supports_tools(tokenizer)
+        self._warned = False  # an environment method raised (warned once)
         probes = [factory() for factory in self.env_factories.values()]
         self.has_tools = bool(self.tools) or any(environment_tools(probe) for probe in probes)
         for probe in probes:
@@ -166,7 +179,8 @@ class Episodes:
         if len(ids) > self.max_prompt_length:
             raise UserError(f"{source} row {row_no}: the prompt with its tool descriptions is {len(ids)} tokens, over "
                             f"--max_prompt_length {self.max_prompt_length} (cutting it would lose the tools)")
-        return _Episode(env, tools, ids, shown, environment=row.get("environment") if self.multi_env else None)
+        return _Episode(env, tools, ids, shown, environment=row.get("environment") if self.multi_env else None,
+                        row_no=row_no)
 
     def react(self, ep: _Episode, text: str) -> list[dict] | None:
         """The environment's answer to an assistant turn: tool results, a reply, or None (the episode ends)."""
@@ -183,9 +197,36 @@ class Episodes:
                 out.append(self.env_message("tool", result, name))
             return out
         if ep.env is not None and callable(getattr(ep.env, "respond", None)):
-            reply = _call(ep.env.respond, text)
-            return None if reply is None else [self.env_message("user", str(reply))]
+            try:
+                reply = _call(ep.env.respond, text)
+                return None if reply is None else [self.env_message("user", str(reply))]
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - the environment failed on the model's text
+                self._env_error(ep, "respond", e)
+                return None  # the episode ends there
         return None
+
+    def _env_error(self, ep: _Episode, method: str, e: BaseException) -> str:
+        """Count an environment method that raised (episode/env_errors) and warn once per run."""
+        ep.env_errors += 1
+        what = f"{type(ep.env).__name__}.{method} raised {type(e).__name__}: {e}"
+        if not self._warned:
+            self._warned = True
+            logger.warning("%s (dataset row %d); the episode ends there, the run goes on: such episodes are counted in "
+                           "episode/env_errors (warned once)", what.splitlines()[0], ep.row_no)
+        return what
+
+    def _reward(self, ep: _Episode) -> float:
+        """The episode's get_reward() (0 without one, or None); NaN where it raised or returned no number, with
+        ep.reward_error set: Rewards.environment scores those (--reward_fallback, else 0)."""
+        get_reward = getattr(ep.env, "get_reward", None) if ep.env is not None else None
+        if not callable(get_reward):
+            return 0.0
+        try:
+            value = _call(get_reward)
+            return 0.0 if value is None else float(value)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - counted, never the run
+            ep.reward_error = self._env_error(ep, "get_reward", e)
+            return math.nan
 
     def trace(self, row: dict, turns: list[str], row_no: int = 1, source: str = "dataset") -> list[dict]:
         """The conversation an episode of `row` shows the model when it writes the assistant texts `turns`, as
@@ -267,14 +308,11 @@ class Episodes:
             sampled[i, :n] = torch.tensor(e.sampled, dtype=torch.bool)
             inserted[i, :n] = ~sampled[i, :n]
             logprobs[i, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
-        rewards = []
-        for e in eps:
-            get_reward = getattr(e.env, "get_reward", None) if e.env is not None else None
-            value = _call(get_reward) if callable(get_reward) else None
-            rewards.append(0.0 if value is None else float(value))
+        rewards = [self._reward(e) for e in eps]
         info = [{"turns": e.turns, "tool_calls": e.tool_calls, "tool_failures": e.tool_failures,
                  "env_tokens": int(sum(not s for s in e.sampled)), "messages": e.messages,
-                 "environment": e.environment} for e in eps]
+                 "environment": e.environment, "env_errors": e.env_errors, "reward_error": e.reward_error,
+                 "env_class": type(e.env).__name__ if e.env is not None else None} for e in eps]
         return Rollout([e.prompt for e in eps], ids, sampled, logprobs, torch.tensor([e.truncated for e in eps]),
                        env_mask=inserted, env_reward=torch.tensor(rewards, dtype=torch.float32), episodes=info)
 

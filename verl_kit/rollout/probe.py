@@ -28,7 +28,9 @@ def trainer_logprobs(model, seqs: list[list[int]], device="cpu") -> list[torch.T
 
 
 def max_abs_diff(engine: list[torch.Tensor], trainer: list[torch.Tensor]) -> float:
-    return max(float((e.float() - t.float()).abs().max()) for e, t in zip(engine, trainer) if len(t))
+    """The largest |engine - trainer| over every token; NaN when any log-prob is NaN (Python's max() would keep or
+    drop a NaN depending on where it stands, so the reduction is torch's, which propagates it)."""
+    return float(torch.stack([(e.float() - t.float()).abs().max() for e, t in zip(engine, trainer) if len(t)]).max())
 
 
 def default_probe_threshold(dtype: str) -> float:
@@ -62,7 +64,17 @@ class Probe:
         # synced bf16 one moved 0.46x the trainer at worst (max-abs, SmolLM2-135M, docs/gpu.md): 0.1x, a margin of 4.
         gate = max(min(self.threshold, 0.5), 1e-3) if math.isfinite(self.threshold) else math.inf
         stale = trainer_moved > gate and engine_moved < 0.1 * trainer_moved
-        m = reduce_metrics({}, {"diff": diff, "stale": float(stale)})
+        # NaN compares false with everything (a NaN diff is not > the bound) and a MAX reduction may drop it: a
+        # non-finite log-prob on either side is its own flag, a failure whatever the bound
+        bad = not all(math.isfinite(x) for x in (diff, trainer_moved, engine_moved))
+        m = reduce_metrics({}, {"diff": diff if math.isfinite(diff) else 0.0, "stale": float(stale),
+                                "nonfinite": float(bad)})
+        if m["nonfinite"]:
+            finite = [all(bool(torch.isfinite(x).all()) for x in lps) for lps in (trainer, engine)]
+            side = "the trainer's" if not finite[0] else "the engine's" if not finite[1] else "another process's"
+            raise RuntimeError(f"the probe's log-probs are not finite ({side}; rollout/logprob_max_abs_diff {diff}): "
+                               "NaN or inf in the weights or the forward pass. Stopping rather than sampling from, or "
+                               "training on, non-finite values.")
         if m["stale"]:
             raise RuntimeError(f"weight sync had no effect: the trainer's probe log-probs moved by "
                                f"{trainer_moved:.4g} since the last sync, the engine's by {engine_moved:.4g}")

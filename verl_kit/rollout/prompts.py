@@ -62,7 +62,8 @@ def rollout_metrics(ro: Rollout, scored: Scores, step_seconds: float, environmen
 
 
 def episode_metrics(ro: Rollout, scores: torch.Tensor, environments: tuple[str, ...] = ()) -> dict:
-    """tools/*, episode/* of a multi-turn batch over all processes (collective), and for each of `environments`
+    """tools/*, episode/* of a multi-turn batch over all processes (collective; episode/env_errors: the episodes whose
+    environment's respond or get_reward raised, per episode), and for each of `environments`
     env/<name>/reward_mean (the total reward of its episodes), env/<name>/share (of the episodes),
     env/<name>/tool_call_frequency, env/<name>/tool_failure_frequency and env/<name>/turns; {} for single-turn
     rollouts."""
@@ -75,8 +76,10 @@ def episode_metrics(ro: Rollout, scores: torch.Tensor, environments: tuple[str, 
         eps = [e for e, m in zip(ro.episodes, member) if m]
         sums.update({f"{g}n": len(eps), f"{g}score": scores[torch.tensor(member, dtype=torch.bool)].sum(),
                      **{f"{g}{k}": sum(e[k] for e in eps) for k in ("tool_calls", "tool_failures", "turns")}})
+    sums["env_errors"] = sum(e.get("env_errors", 0) for e in ro.episodes)
     t = reduce_metrics(sums)
-    out = {"episode/env_token_share": t["env_tokens"] / max(t["all_tokens"], 1)}
+    out = {"episode/env_token_share": t["env_tokens"] / max(t["all_tokens"], 1),
+           "episode/env_errors": t["env_errors"] / max(t["n"], 1)}
     for g in groups:
         n, calls = max(t[f"{g}n"], 1), t[f"{g}tool_calls"]
         call, failure, turns = ("tools/call_frequency", "tools/failure_frequency", "episode/turns") if not g else \

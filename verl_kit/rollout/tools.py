@@ -12,8 +12,8 @@ import asyncio
 import inspect
 import json
 import re
-import threading
 
+from verl_kit.deadline import DeadlineExceeded, call_with_deadline
 from verl_kit.errors import UserError
 
 
@@ -56,64 +56,80 @@ def describe_tools(schemas: list[dict]) -> str:
 
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+MALFORMED = "malformed tool call (expected {\"name\": ..., \"arguments\": {...}})"
+
+
+def _json(text: str):
+    """json.loads, or the one-line reason the model's text is not JSON the kit reads: a syntax error, an integer of
+    more digits than Python converts (ValueError), or nesting deeper than the parser's recursion (RecursionError).
+    Model output must never raise out of the parser."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as e:
+        return None, f"not JSON: {e.msg}"
+    except RecursionError:
+        return None, "nested too deeply"
+    except ValueError as e:
+        return None, f"not JSON: {str(e).splitlines()[0]}"
+
+
+def as_call(call) -> dict | str:
+    """A parsed call, from either parser, as {"name": str, "arguments": dict}, or the error string the model sees: a
+    call that is not an object, or whose `name` is not a string, is malformed; missing `arguments` are {}; arguments
+    given as a JSON string are parsed; any other value x becomes {"value": x}."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return MALFORMED
+    args = call.get("arguments")
+    if args is None:
+        args = {}
+    if isinstance(args, str):
+        parsed, error = _json(args)
+        if error is None:
+            args = parsed
+    return {"name": call["name"], "arguments": args if isinstance(args, dict) else {"value": args}}
 
 
 def parse_tool_calls(text: str, tokenizer=None) -> list[dict | str]:
     """The tool calls in an assistant message: dicts {"name", "arguments"}, or an error string for a call that does not
     parse (the model then sees it as the tool's result). The tokenizer's parser first (transformers' parse_response,
-    when the tokenizer has a response schema), else Hermes `<tool_call>` blocks."""
+    when the tokenizer has a response schema), else Hermes `<tool_call>` blocks. Nothing the model writes raises."""
     if tokenizer is not None and getattr(tokenizer, "response_schema", None):
         try:
             calls = tokenizer.parse_response(text).get("tool_calls") or []
-            return [c.get("function", c) for c in calls]
-        except Exception:  # noqa: BLE001 - fall back to the Hermes reader below
+            return [as_call(c.get("function", c) if isinstance(c, dict) else c) for c in calls]
+        except Exception:  # noqa: BLE001 - fall back to the Hermes reader below (RecursionError included)
             pass
     out: list[dict | str] = []
     for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as e:
-            out.append(f"malformed tool call (not JSON: {e.msg})")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            out.append("malformed tool call (expected {\"name\": ..., \"arguments\": {...}})")
-            continue
-        args = call.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass
-        out.append({"name": call["name"], "arguments": args if isinstance(args, dict) else {"value": args}})
+        call, error = _json(body)
+        out.append(f"malformed tool call ({error})" if error else as_call(call))
     return out
 
 
 def call_tool(tools: dict, call: dict | str, timeout_s: float | None) -> tuple[str, str, bool]:
     """Run one parsed tool call: (tool name, result text, failed). A malformed call, an unknown tool, a tool that
-    raises or runs past `timeout_s` gives TRL's `{"error": ...}` as the result, and failed=True. Sync tools run in a
-    worker thread (a hanging one is abandoned there, it cannot be killed); async tools on a fresh event loop."""
+    raises or runs past `timeout_s` gives TRL's `{"error": ...}` as the result, and failed=True. The call is cut at
+    `timeout_s` by verl_kit.deadline: interrupted where it is on the main thread, abandoned on its thread elsewhere
+    (a few at most, then the run stops in one line); an async tool also runs under asyncio.wait_for."""
+    call = as_call(call) if isinstance(call, dict) else call
     if isinstance(call, str):
         return "unknown", str({"error": call}), True
     name, args = call["name"], call["arguments"]
     fn = tools.get(name)
     if fn is None:
         return name, str({"error": f"Tool {name} not found."}), True
-    box: dict = {}
 
-    def target():
-        try:
-            result = fn(**args)
-            if inspect.isawaitable(result):
-                result = asyncio.run(asyncio.wait_for(result, timeout_s) if timeout_s else result)
-            box["result"] = result
-        except BaseException as e:  # noqa: BLE001 - the model sees it, the run goes on
-            box["error"] = e
+    def run():
+        result = fn(**args)
+        if inspect.isawaitable(result):
+            result = asyncio.run(asyncio.wait_for(result, timeout_s) if timeout_s else result)
+        return str(result)
 
-    worker = threading.Thread(target=target, name=f"tool-{name}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive() or isinstance(box.get("error"), (asyncio.TimeoutError, TimeoutError)):
+    try:
+        return name, call_with_deadline(run, timeout_s, f"tool {name}"), False
+    except (DeadlineExceeded, asyncio.TimeoutError, TimeoutError):
         return name, str({"error": f"Tool {name} timed out after {timeout_s:g} s"}), True
-    if "error" in box:
-        return name, str({"error": str(box["error"])}), True
-    return name, str(box["result"]), False
+    except UserError:  # the cap on abandoned calls (verl_kit.deadline)
+        raise
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the model sees it, the run goes on
+        return name, str({"error": str(e) or type(e).__name__}), True

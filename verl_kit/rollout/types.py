@@ -45,9 +45,12 @@ class Rollout:
                                                   replies, the template's turn markers); the response is
                                                   response_mask | env_mask, and response_mask (the loss mask, the
                                                   sampling log-probs) covers only what the model sampled
-    env_reward         (B,) float32               each environment's get_reward() (0 without one)
-    episodes           list of B dicts            turns, tool_calls, tool_failures, the messages of each episode and
-                                                  its environment's name (multi-environment form, else None)
+    env_reward         (B,) float32               each environment's get_reward() (0 without one), as returned:
+                                                  NaN where it raised; Rewards.environment checks and scores it
+    episodes           list of B dicts            turns, tool_calls, tool_failures, the messages of each episode,
+                                                  its environment's name (multi-environment form, else None) and
+                                                  class (env_class), env_errors (respond/get_reward raised) and
+                                                  reward_error (why get_reward gave no number, else None)
     """
 
     prompt_ids: list[list[int]]

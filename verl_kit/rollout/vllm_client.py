@@ -13,7 +13,7 @@ from verl_kit.errors import UserError
 from verl_kit.rollout.probe import Probe, default_probe_threshold
 from verl_kit.rollout.synced import SyncedBackend, to_rollout
 from verl_kit.rollout.types import Rollout, SamplingParams
-from verl_kit.rollout.vllm_server import auth_headers, is_loopback_url
+from verl_kit.rollout.vllm_server import auth_headers, is_loopback_url, key_for
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,8 @@ class _Transient(Exception):
 class VLLMServer(SyncedBackend):
     """Client of an OpenAI-compatible vLLM server. Weight sync needs a server started by this module (or `make
     vllm-serve`): VLLM_SERVER_DEV_MODE=1 and the verl_kit worker extension. `pushes`: False on training processes
-    other than the one that syncs the weights (they still join the ZeRO-3 gathers)."""
+    other than the one that syncs the weights (they still join the ZeRO-3 gathers). `api_key`: sent with every
+    request; default: the key this process was handed for `base_url` (its run's own server), else VLLM_API_KEY."""
 
     per_sample_seeds = False  # one request holds a prompt's n samples: a seed there is per request, not per sample
 
@@ -33,8 +34,9 @@ class VLLMServer(SyncedBackend):
                  request_timeout_s: float = 600, max_retries: int = 4, backoff_s: float = 0.5,
                  bucket_mb: float = 64, sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
                  probe_threshold: float | None = None, dtype: str = "auto", pushes: bool = True,
-                 transport: str = "auto"):
+                 transport: str = "auto", api_key: str | None = None):
         self.url = base_url.rstrip("/")
+        self._headers = auth_headers(api_key or key_for(self.url))
         self.tokenizer = tokenizer
         self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
@@ -63,10 +65,14 @@ class VLLMServer(SyncedBackend):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
-                r = requests.request(method, self.url + path, json=payload, headers=auth_headers(),
+                r = requests.request(method, self.url + path, json=payload, headers=self._headers,
                                      timeout=(min(self.connect_timeout_s, timeout), timeout))
                 if r.status_code in (429, 500, 502, 503, 504):
                     raise _Transient(f"HTTP {r.status_code}: {r.text[:300]}")
+                if r.status_code in (401, 403):
+                    raise UserError(f"--vllm_server_url {self.url}: the server refused this client's key (HTTP "
+                                    f"{r.status_code}): pass the server's key in VLLM_API_KEY (`make vllm-serve` "
+                                    "prints how)")
                 if r.status_code >= 400:
                     raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
                 return r.json() if r.content else None

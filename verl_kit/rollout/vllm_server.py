@@ -1,19 +1,25 @@
-"""The vLLM OpenAI server a run (or `make vllm-serve`) starts for weight-synced rollouts: its command, environment and
-process lifecycle. The client side is verl_kit.rollout.vllm_client.VLLMServer.
+"""The vLLM OpenAI server a run (or `make vllm-serve`) starts for weight-synced rollouts: its command, environment, key
+and process lifecycle. The client side is verl_kit.rollout.vllm_client.VLLMServer.
 
     python -m verl_kit.rollout.vllm_server serve --model tiny-llama --port 8000     # what `make vllm-serve` runs
     VLLM_API_KEY=... python -m verl_kit.rollout.vllm_server serve --model PATH --host 0.0.0.0
 
-The weight sync needs vLLM's dev endpoints (/collective_rpc, /reset_prefix_cache), which can replace the model's
-weights, and vLLM's own --api-key guards only /v1/* and a few other prefixes. So the server binds 127.0.0.1 by default,
-refuses any other host unless VLLM_API_KEY is set, and with a key set it is started through `api-server` below, which
-extends vLLM's authentication middleware to every path (health included); the kit's client sends the key.
+The weight sync needs vLLM's dev endpoints (/collective_rpc, /reset_prefix_cache, /sleep, ...), which can replace the
+model's weights or make it write them to files, and vLLM's own --api-key guards only /v1, /v2, /inference and /cohere.
+So every server the kit starts requires a key on every path, on loopback too (any local user, or a container on the
+host network, reaches 127.0.0.1): `RequireKey`, loaded through vLLM's public --middleware option. A run's own server
+gets a fresh random key (as Jupyter does), handed only to the run's own clients (`use_key`); `make vllm-serve` uses
+VLLM_API_KEY when set, else a fresh one it writes to a 0600 file and tells how to pass. The key travels to the
+server in its environment (VLLM_API_KEY), never on a command line, which every local user can read.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
+import secrets
 import socket
 import sys
 import time
@@ -35,9 +41,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
 def is_loopback_url(url: str) -> bool:
     """A server URL on this host's loopback (the server then shares this host's /dev/shm: weight buckets go through
     files there, verl_kit.rollout.transport.SharedBuckets)."""
@@ -51,47 +54,82 @@ def is_loopback_url(url: str) -> bool:
         return False
 
 
-def api_key() -> str | None:
-    """The key a server started by the kit requires and the kit's client sends (VLLM_API_KEY, as vLLM reads it)."""
-    return os.environ.get("VLLM_API_KEY") or None
+# ---- the key ------------------------------------------------------------------------------------------------------
+
+# Server URL -> the key of a server this process started (ServerProcess) or was handed by its run (start_server).
+# Held here, never in os.environ: nothing the run starts (reward workers, tools, a shell) inherits it.
+_KEYS: dict[str, str] = {}
+
+
+def new_key() -> str:
+    """A fresh server key: 256 random bits."""
+    return secrets.token_urlsafe(32)
+
+
+def use_key(url: str, key: str) -> None:
+    """Hand this process's clients of the server at `url` its key."""
+    _KEYS[url.rstrip("/")] = key
+
+
+def key_for(url: str) -> str | None:
+    """The key a client sends to the server at `url`: the one this process was handed for it (its run's own server),
+    else VLLM_API_KEY (a server started by `make vllm-serve`, on this host or another)."""
+    return _KEYS.get(url.rstrip("/")) or os.environ.get("VLLM_API_KEY") or None
+
+
+def auth_headers(key: str | None) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+class RequireKey:
+    """ASGI middleware of the kit's server (vLLM's `--middleware`, so it wraps every route, mount and dev endpoint):
+    a request without `Authorization: Bearer <VLLM_API_KEY>` gets 401 on every path and method, /collective_rpc,
+    /health, /metrics and OPTIONS included (a websocket is closed before it is accepted). Refuses to start without
+    a key."""
+
+    def __init__(self, app):
+        key = os.environ.get("VLLM_API_KEY")
+        if not key:
+            raise RuntimeError("verl_kit RequireKey: VLLM_API_KEY is not set in the server's environment")
+        self.app = app
+        self.digest = hashlib.sha256(f"Bearer {key}".encode()).digest()
+
+    def allowed(self, scope) -> bool:
+        given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        return hmac.compare_digest(hashlib.sha256(given).digest(), self.digest)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket") or self.allowed(scope):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": b'{"error": "Unauthorized: this server needs its key"}'})
 
 
 def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype: str = "auto",
                   max_num_seqs: int = 256, max_model_len: int | None = None, extra: list[str] = ()) -> list[str]:
-    """The vLLM OpenAI server command for weight-synced rollouts. A host other than loopback needs VLLM_API_KEY."""
-    if host not in LOOPBACK and not api_key():
-        raise UserError(f"--host {host}: the server's weight-sync endpoints would accept weights from the network; "
-                        "set VLLM_API_KEY (the kit's client sends it) or bind 127.0.0.1")
-    return [sys.executable, "-m", "verl_kit.rollout.vllm_server", "api-server", "--model", model_path, "--host", host,
+    """The vLLM OpenAI server command for weight-synced rollouts; its key comes from serve_env."""
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
+        raise UserError("--api-key: pass the server's key as VLLM_API_KEY instead (a command line is readable by "
+                        "every user of the machine)")
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", host,
             "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
             *(["--max-model-len", str(max_model_len)] if max_model_len else []),
-            "--worker-extension-cls", WORKER_EXTENSION,
+            "--worker-extension-cls", WORKER_EXTENSION, "--middleware", f"{__name__}.RequireKey",
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
             # CPU: no chunked prefill, as for the colocated engine (rollout.vllm_engine.VLLMColocated): a seeded request
             # whose prompt is prefilled in pieces kills a CPU engine.
             *([] if torch.cuda.is_available() else ["--enforce-eager", "--no-enable-chunked-prefill"]), *extra]
 
 
-def auth_headers() -> dict:
-    key = api_key()
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def _api_server(argv: list[str]) -> None:
-    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server ARGV`), with the API key, when set,
-    required on every path: vLLM's middleware reads its GUARDED_PREFIX at each request."""
-    import runpy
-
-    if api_key():
-        from vllm.entrypoints.serve.middleware import authenticate
-
-        authenticate.GUARDED_PREFIX = ("/",)
-    sys.argv = ["vllm.entrypoints.openai.api_server", *argv]
-    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
-
-
-def serve_env(kv_cache_gib: int = 1) -> dict:
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # /collective_rpc and /reset_prefix_cache for the weight sync
+def serve_env(key: str, kv_cache_gib: int = 1) -> dict:
+    """The server's environment: its key (RequireKey and vLLM's own /v1 check read VLLM_API_KEY) and the dev
+    endpoints the weight sync uses (/collective_rpc, /reset_prefix_cache)."""
+    if not key:
+        raise ValueError("a kit vLLM server needs a key")
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_API_KEY=key)
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
     return env
@@ -111,10 +149,12 @@ class ServerProcess:
 
         self.port = port or free_port()
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
+        self.api_key = new_key()  # this server's own: not VLLM_API_KEY, which may be another server's
+        use_key(self.url, self.api_key)
         self.log_path = log_path or os.path.join("/tmp", f"verl_kit_vllm_{self.port}.log")
-        self.log = open(self.log_path, "w")
+        self.log = _private_file(self.log_path)  # prompts and errors: for this user only
         cmd = serve_command(model_path, self.port, host=host, **serve_kwargs)
-        self.group = GuardedGroup(cmd, env=serve_env(kv_cache_gib), log=self.log, guard=orphan_guard())
+        self.group = GuardedGroup(cmd, env=serve_env(self.api_key, kv_cache_gib), log=self.log, guard=orphan_guard())
         self.proc = self.group.proc
         deadline = time.time() + startup_timeout_s
         while True:
@@ -124,7 +164,8 @@ class ServerProcess:
                 self.stop()
                 raise RuntimeError(f"vLLM server exited with {self.proc.returncode} while starting:\n{tail}")
             try:
-                if requests.get(self.url + "/health", timeout=2, headers=auth_headers()).status_code == 200:
+                if requests.get(self.url + "/health", timeout=2,
+                                headers=auth_headers(self.api_key)).status_code == 200:
                     break
             except requests.RequestException:
                 pass
@@ -146,17 +187,34 @@ class ServerProcess:
         self.stop()
 
 
-def main(argv: list[str]) -> None:
-    """`serve`: run a weight-syncable vLLM server in the foreground (what `make vllm-serve` calls). `api-server`:
-    the server process itself (serve_command's target)."""
-    import argparse
+def _private_file(path: str):
+    """`path` opened for writing, truncated, readable by this user only (also when it existed with a wider mode)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "w")
 
-    if argv[:1] == ["api-server"]:
-        return _api_server(argv[1:])
+
+def key_file(port: int) -> str:
+    """Where `make vllm-serve` keeps the key of the server on `port` when it made one: in a 0700 folder of the kit's
+    cache (VERL_KIT_CACHE)."""
+    from verl_kit.models.loading import cache_dir
+
+    folder = os.path.join(cache_dir(), "vllm-serve")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    os.chmod(folder, 0o700)
+    return os.path.join(folder, f"{port}.key")
+
+
+def main(argv: list[str]) -> None:
+    """`serve`: run a weight-syncable vLLM server in the foreground (what `make vllm-serve` calls), with the key in
+    VLLM_API_KEY, or a fresh one written to key_file(port); it prints how a run passes the key."""
+    import argparse
+    import shlex
+
     ap = argparse.ArgumentParser(prog="python -m verl_kit.rollout.vllm_server")
     ap.add_argument("command", choices=["serve"])
     ap.add_argument("--model", required=True, help="path, hub name or tiny-llama")
-    ap.add_argument("--host", default="127.0.0.1", help="other than loopback only with VLLM_API_KEY set")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address; the key is required on every one")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max_num_seqs", type=int, default=256)
@@ -166,8 +224,28 @@ def main(argv: list[str]) -> None:
     path = resolve_model_path(args.model)
     cmd = serve_command(path, args.port, host=args.host, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, extra=extra)
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    with socket.socket() as s:  # before a fresh key replaces the key file of a server already on this port
+        try:
+            s.bind((args.host, args.port))
+        except OSError as e:
+            raise UserError(f"--port {args.port}: {args.host}:{args.port} is taken ({e.strerror}); is a server "
+                            "already running there?") from None
+    key = os.environ.get("VLLM_API_KEY")
+    if key:
+        how = "the same VLLM_API_KEY in its environment"
+        run = ""
+    else:
+        key, where = new_key(), key_file(args.port)
+        with _private_file(where) as f:
+            f.write(key + "\n")
+        how = f"its key (in {where}, readable by you only)"
+        run = f"VLLM_API_KEY=$(cat {shlex.quote(where)}) "
     print(" ".join(cmd), flush=True)
-    os.execve(cmd[0], cmd, serve_env(args.kv_cache_gib))
+    print(f"\nThis server requires its key on every request. A run reaches it with {how}:\n"
+          f"    {run}python recipes/ppo.py --rollout vllm-server --vllm_server_url {url}\n"
+          "(from another host: the same key in VLLM_API_KEY and this host's address in the URL)\n", flush=True)
+    os.execve(cmd[0], cmd, serve_env(key, args.kv_cache_gib))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Training mechanics: the one optimizer-step path (Trainable), frozen scorers, accelerator and collective helpers,
-sharded scoring, packed forward passes over rollout responses, checkpoints and resume."""
+sharded scoring, packed forward passes over rollout responses, checkpoints, resume, the run's --output_dir and
+preemption."""
 
 from verl_kit.train.actor_critic import (
     CriticModel,
@@ -11,11 +12,10 @@ from verl_kit.train.actor_critic import (
 )
 from verl_kit.train.checkpoint import (
     MODEL_FLAGS,
-    STATE_FILE,
     check_run,
-    list_checkpoints,
     load_checkpoint,
     model_flags,
+    nonfinite_weights,
     resolve_resume,
     resume,
     run_changes,
@@ -43,5 +43,7 @@ from verl_kit.train.distributed import (
     updates,
     zero_stage,
 )
+from verl_kit.train.output_dir import STATE_FILE, check_output_dir, list_checkpoints
+from verl_kit.train.preemption import STOP, StopSignal
 from verl_kit.train.scoring import Sequences, completion_sequences, make_batch, score_items, score_subset
 from verl_kit.train.trainable import Trainable, frozen, load_teacher

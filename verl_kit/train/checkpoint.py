@@ -7,7 +7,13 @@ directory that `--resume_from_checkpoint auto` would pick. The data position is 
 A LoRA run (`--use_peft`) checkpoints what it trains: the adapter (and any trainable head, e.g. PPO's value head) with
 its optimizer state, not the frozen base weights, which the resumed run loads from --model_name_or_path again (the
 checkpoint records it and refuses another). SmolLM2-135M with the default adapter (r 16, every decoder
-linear): 57 MB per checkpoint (adapter 20 MB + its AdamW state) instead of 570 MB."""
+linear): 57 MB per checkpoint (adapter 20 MB + its AdamW state) instead of 570 MB.
+
+A long run is the user's most expensive thing (docs/long-runs.md): it saves by default every
+--save_interval_minutes; SIGTERM/SIGUSR1 save at the next step boundary and exit (preemption); the files are synced
+before the rename and rotation comes after it; a save that fails (a full disk) stops the run in one line with the
+earlier checkpoints intact; weights holding NaN or inf are never saved; a checkpoint records its run's id, rotation
+deletes only this run's, and `auto` falls back to the next older checkpoint when the latest does not load."""
 
 from __future__ import annotations
 
@@ -15,16 +21,24 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
 
 from verl_kit.config import TrainConfig
 from verl_kit.data.datasets import split_fingerprint
+from verl_kit.durable import fsync_tree, replace_dir, write_failure
 from verl_kit.errors import UserError
+from verl_kit.train.distributed import destroy, reduce_metrics
+from verl_kit.train.output_dir import STATE_FILE, clear, list_checkpoints, set_aside, sweep
+from verl_kit.train.preemption import STOP
 
 logger = logging.getLogger(__name__)
-_NAME = re.compile(r"^checkpoint-(\d+)$")
-STATE_FILE = "trainer_state.json"
 # What the saved weights are: a checkpoint resumed under other values would load its base weights and adapter into a
 # run that means another model (or fail deep inside load_state on mismatched shapes).
 MODEL_FLAGS = ("model_name_or_path", "use_peft", "lora_r", "lora_target_modules")
@@ -34,7 +48,8 @@ MODEL_FLAGS = ("model_name_or_path", "use_peft", "lora_r", "lora_target_modules"
 # refused (--resume_ignore_changes overrides). A flag added later is checked unless it is listed here.
 FREE_FLAGS = frozenset({
     "output_dir", "resume_from_checkpoint", "resume_ignore_changes", "max_steps", "num_train_epochs", "logging_steps",
-    "eval_steps", "save_steps", "save_total_limit", "report_to", "run_name", "collective_timeout_s",
+    "eval_steps", "save_steps", "save_interval_minutes", "save_total_limit", "overwrite_output_dir", "report_to",
+    "run_name", "collective_timeout_s",
     "per_device_eval_batch_size", "dataset_test_split", "gradient_checkpointing", "attn_implementation", "packing",
     "packing_length", "max_tokens_per_microbatch", "num_generations_eval", "pass_threshold", "rollout_timeout_s",
     "reward_timeout_s", "reward_max_concurrency", "vllm_server_url", "vllm_gpu_memory_utilization",
@@ -43,59 +58,129 @@ FREE_FLAGS = frozenset({
     "dataset_name", "dataset_config", "dataset_train_split"})  # the data itself is compared by its rows' hash
 
 
-def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """Complete checkpoints in `output_dir`, oldest first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        m = _NAME.match(name)
-        path = os.path.join(output_dir, name)
-        if m and os.path.isfile(os.path.join(path, STATE_FILE)):
-            found.append((int(m.group(1)), path))
-    return sorted(found)
+@dataclass
+class _Run:
+    """This process's run from resume() on: its id (recorded in each checkpoint; a resumed run keeps the id of the
+    checkpoint it resumed) and when it last saved (time.monotonic)."""
+
+    run_id: str
+    last_save: float
 
 
-def resolve_resume(output_dir: str, resume: str | None) -> str | None:
-    """'auto' -> latest complete checkpoint or None; a path -> that path, checked."""
+_RUN: _Run | None = None  # one training run per process
+
+
+def _current() -> _Run:
+    global _RUN
+    if _RUN is None:  # save_checkpoint called without resume() (a test, a copied recipe): a run of its own
+        _RUN = _Run(uuid.uuid4().hex[:12], time.monotonic())
+    return _RUN
+
+
+def resolve_resume(output_dir: str, resume: str | None) -> list[str]:
+    """The checkpoints to try, best first: 'auto' -> every complete checkpoint of `output_dir`, newest first; a path
+    -> that path, checked; nothing -> []."""
     if not resume:
-        return None
+        return []
     if resume == "auto":
-        found = list_checkpoints(output_dir)
-        return found[-1][1] if found else None
+        return [path for _, path in reversed(list_checkpoints(output_dir))]
     if not os.path.isfile(os.path.join(resume, STATE_FILE)):
         raise UserError(f"--resume_from_checkpoint {resume}: not a complete checkpoint (no {STATE_FILE})")
-    return resume
+    return [resume]
+
+
+def nonfinite_weights(accelerator) -> int:
+    """How many trainable parameter tensors of this process's prepared models hold a NaN or an inf (under ZeRO-3, its
+    own partition of each: `ds_tensor`). One pass over the weights, one sync per device they live on."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for model in accelerator._models:  # the models save_state writes
+        for p in model.parameters():
+            if p.requires_grad:
+                t = getattr(p, "ds_tensor", p).detach()
+                by_device.setdefault(t.device, []).append(torch.isfinite(t).all().logical_not())
+    return sum(int(torch.stack(flags).sum()) for flags in by_device.values())
+
+
+def _agree(failure: str, what: str, output_dir: str, tmp: str, is_main: bool) -> None:
+    """Every rank stops together, in one line, when writing `what` failed on any (`failure`: this rank's reason, ''
+    if none): the temporary `tmp` is removed, the checkpoints already on disk are left as they are."""
+    if not reduce_metrics({}, {"failed": float(bool(failure))})["failed"]:
+        return
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    kept = ", ".join(os.path.basename(p) for _, p in list_checkpoints(output_dir)) or "none"
+    raise UserError(f"--output_dir {output_dir}: writing {what} failed ({failure or 'on another process'}); the run "
+                    f"stops and the checkpoints on disk are intact ({kept}): free space, then continue with "
+                    "--resume_from_checkpoint auto")
+
+
+def _write_failed(e: Exception, output_dir: str) -> str:
+    """The one-line reason of a failed write; any other error (a bug) raises on."""
+    reason = write_failure(e, output_dir)
+    if reason is None:
+        raise e
+    return reason
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: dict, per_rank=None,
                     run: dict | None = None) -> str:
     """Checkpoint `step` (`model`: the MODEL_FLAGS values, checked on resume; `run`: run_fingerprint's data hash and
-    maths flags, compared on resume), keeping the last `keep`. `per_rank`:
-    an object with state_dict()/load_state_dict() whose state differs between processes (saved by each, as
-    rank-<i>.pt; accelerate's custom objects are saved by the main process only)."""
+    maths flags, compared on resume), keeping the last `keep` of this run's checkpoints. `per_rank`: an object with
+    state_dict()/load_state_dict() whose state differs between processes (saved by each, as rank-<i>.pt;
+    accelerate's custom objects are saved by the main process only). Every rank first checks that its trainable
+    weights are finite (refused in one line otherwise); the files are written into `.tmp-checkpoint-<step>`, synced
+    with their directory, renamed to `checkpoint-<step>` (trainer_state.json last), and only then are older
+    checkpoints deleted. A write that fails (no space) stops the run in one line and leaves the earlier ones."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
+    me = _current()
+    if reduce_metrics({}, {"nonfinite": float(nonfinite_weights(accelerator))})["nonfinite"]:
+        last = list_checkpoints(output_dir)
+        raise UserError(f"checkpoint-{step} not written: the trainable weights hold NaN or inf after step {step}; "
+                        f"the last checkpoint is {last[-1][1] if last else 'none'} (docs/long-runs.md, Bad values)")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    with _frozen_left_out(accelerator, model.get("use_peft")) as kwargs:
-        accelerator.save_state(tmp, **kwargs)
-    if per_rank is not None:
-        import torch
-
-        torch.save(per_rank.state_dict(), os.path.join(tmp, f"rank-{accelerator.process_index}.pt"))
-    accelerator.wait_for_everyone()
+    failure = ""
+    try:
+        with _frozen_left_out(accelerator, model.get("use_peft")) as kwargs:
+            accelerator.save_state(tmp, **kwargs)
+        if per_rank is not None:
+            torch.save(per_rank.state_dict(), os.path.join(tmp, f"rank-{accelerator.process_index}.pt"))
+    except Exception as e:  # a full disk; a bug raises on in _write_failed
+        failure = _write_failed(e, output_dir)
+    _agree(failure, f"checkpoint-{step}", output_dir, tmp, accelerator.is_main_process)
+    if accelerator.is_local_main_process and not accelerator.is_main_process:
+        try:  # the other nodes' writes reach their devices before the main process renames (it syncs its own)
+            fsync_tree(tmp)
+        except OSError as e:
+            failure = _write_failed(e, output_dir)
+    _agree(failure, f"checkpoint-{step}", output_dir, tmp, accelerator.is_main_process)
     if accelerator.is_main_process:
-        with open(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump({"step": step, "model": model, **({"run": run} if run else {})}, f)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        for _, old in list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
+        try:
+            with open(os.path.join(tmp, STATE_FILE), "w") as f:
+                json.dump({"step": step, "run_id": me.run_id, "model": model, **({"run": run} if run else {})}, f)
+            replace_dir(tmp, final)  # fsync of every file and directory (trainer_state.json too), then the rename
+        except Exception as e:
+            failure = _write_failed(e, output_dir)
+    _agree(failure, f"checkpoint-{step}", output_dir, tmp, accelerator.is_main_process)
+    if accelerator.is_main_process:
+        mine = [path for _, path in list_checkpoints(output_dir) if _run_id(path) in (me.run_id, None)]
+        for old in mine[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("saved %s", final)
     accelerator.wait_for_everyone()
+    me.last_save = time.monotonic()
     return final
+
+
+def _run_id(path: str) -> str | None:
+    """The run id a checkpoint records (None: saved before run ids, or unreadable)."""
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError):
+        return None
 
 
 def load_checkpoint(accelerator, path: str, model: dict, per_rank=None, run: dict | None = None,
@@ -115,8 +200,6 @@ def load_checkpoint(accelerator, path: str, model: dict, per_rank=None, run: dic
         accelerator.load_state(path, **kwargs)
     rank_file = os.path.join(path, f"rank-{accelerator.process_index}.pt")
     if per_rank is not None and os.path.isfile(rank_file):
-        import torch
-
         per_rank.load_state_dict(torch.load(rank_file))
     logger.info("resumed from %s at step %d", path, state["step"])
     return state
@@ -171,23 +254,88 @@ def _frozen_left_out(accelerator, active: bool, loading: str | None = None):
 
 
 def resume(accelerator, cfg: TrainConfig, flags: dict, per_rank=None) -> int:
-    """`--resume_from_checkpoint` ('auto' or a path): restore every prepared model, optimizer, scheduler and RNG from
-    it (and `per_rank`'s state: save_checkpoint), after checking that the run's model, data and maths flags (`flags`:
-    every flag of the run, config.Args.flags) are the checkpoint's. Returns the step to continue from, 0 when there
-    is nothing to resume."""
-    path = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
-    if not path:
-        return 0
-    return load_checkpoint(accelerator, path, model_flags(cfg), per_rank, run_fingerprint(cfg, flags),
-                           cfg.resume_ignore_changes)["step"]
+    """The run's start on disk, before its first step:
+    1. what an interrupted save left is swept (output_dir.sweep); a fresh run with --overwrite_output_dir deletes
+       the earlier run's checkpoints and final/ (without it make_accelerator has refused a used --output_dir);
+    2. `--resume_from_checkpoint` ('auto' or a path): every prepared model, optimizer, scheduler and RNG (and
+       `per_rank`'s state: save_checkpoint) is restored, after checking that the run's model, data and maths flags
+       (`flags`: every flag of the run, config.Args.flags) are the checkpoint's. With 'auto', a checkpoint that does
+       not load (a truncated shard) is skipped for the next older one, with a warning. Checkpoints newer than the
+       one resumed are moved to <output_dir>/superseded/, so that a later 'auto' never returns to them;
+    3. from here on SIGTERM and SIGUSR1 save at the next step boundary and exit (save_if_due), and the clock of
+       --save_interval_minutes starts.
+    Returns the step to continue from, 0 when there is nothing to resume."""
+    global _RUN
+    if accelerator.is_main_process:
+        sweep(cfg.output_dir)
+        if cfg.overwrite_output_dir:
+            clear(cfg.output_dir)
+    accelerator.wait_for_everyone()
+    path, state = _restore(accelerator, cfg, flags, per_rank)
+    if accelerator.is_main_process and path:
+        newer = [p for s, p in list_checkpoints(cfg.output_dir)
+                 if s > state["step"] or s == state["step"] and os.path.realpath(p) != os.path.realpath(path)]
+        for p in set_aside(cfg.output_dir, newer):
+            logger.warning("resumed from %s: the newer %s is moved aside to %s (never resumed; delete it when not "
+                           "needed)", path, os.path.basename(p).split(".")[0], p)
+    accelerator.wait_for_everyone()
+    _RUN = _Run((state or {}).get("run_id") or uuid.uuid4().hex[:12], time.monotonic())
+    STOP.arm(announce=accelerator.is_main_process)
+    return state["step"] if state else 0
+
+
+def _restore(accelerator, cfg: TrainConfig, flags: dict, per_rank) -> tuple[str | None, dict | None]:
+    """Load the first checkpoint of resolve_resume that loads on every rank -> (its path, its trainer state), or
+    (None, None) when there is none. A model, data or flag mismatch (UserError) stops the run; any other failure to
+    load moves on to the next older checkpoint ('auto' only)."""
+    paths = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
+    failures = []
+    for i, path in enumerate(paths):
+        failure = ""
+        try:
+            state = load_checkpoint(accelerator, path, model_flags(cfg), per_rank, run_fingerprint(cfg, flags),
+                                    cfg.resume_ignore_changes)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: what the fallback is for
+            failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            if cfg.resume_from_checkpoint != "auto":
+                raise
+        if not reduce_metrics({}, {"failed": float(bool(failure))})["failed"]:
+            return path, state
+        failures.append(f"{os.path.basename(path)}: {failure or 'failed on another process'}")
+        logger.warning("--resume_from_checkpoint auto: %s does not load (%s); %s", path,
+                       failure or "failed on another process",
+                       f"trying {paths[i + 1]}" if i + 1 < len(paths) else "no older checkpoint")
+    if failures:
+        raise UserError(f"--resume_from_checkpoint auto: no checkpoint in {cfg.output_dir} loads "
+                        f"({'; '.join(failures)})")
+    return None, None
 
 
 def save_if_due(accelerator, cfg: TrainConfig, step: int, flags: dict, per_rank=None) -> None:
-    """Checkpoint after optimizer step `step` every `--save_steps` (0: never), keeping `--save_total_limit`;
-    `flags`: every flag of the run (config.Args.flags), recorded for the resume check."""
-    if cfg.save_steps and step % cfg.save_steps == 0:
-        save_checkpoint(accelerator, cfg.output_dir, step, cfg.save_total_limit, model_flags(cfg), per_rank,
-                        run_fingerprint(cfg, flags))
+    """The end of optimizer step `step`, on every rank. Checkpoints when it is due: every `--save_steps`, once
+    `--save_interval_minutes` have passed since the last checkpoint (or the start), or when a stop signal reached
+    any rank (preemption); keeps `--save_total_limit` of this run's checkpoints; `flags`: every flag of the run
+    (config.Args.flags), recorded for the resume check. After a stop signal, it closes `per_rank` when it has a
+    close() (a rollout engine: its threads abort the interpreter at teardown otherwise) and ends the process with
+    128 + the signal's number and one line. One small collective per step, so that every rank decides alike."""
+    me = _current()
+    by_time = cfg.save_interval_minutes > 0 and time.monotonic() - me.last_save >= 60 * cfg.save_interval_minutes
+    agreed = reduce_metrics({}, {"stop": float(STOP.received), "time": float(by_time)})
+    stop = int(agreed["stop"])
+    path = None
+    if stop or agreed["time"] or cfg.save_steps and step % cfg.save_steps == 0:
+        path = save_checkpoint(accelerator, cfg.output_dir, step, cfg.save_total_limit, model_flags(cfg), per_rank,
+                               run_fingerprint(cfg, flags))
+    if stop:
+        if callable(getattr(per_rank, "close", None)):
+            per_rank.close()
+        if accelerator.is_main_process:
+            print(f"stopped by {signal.Signals(stop).name} after step {step}: saved {path}; continue with "
+                  "--resume_from_checkpoint auto", file=sys.stderr, flush=True)
+        destroy(exit_code=128 + stop)  # several processes: ends this one here
+        sys.exit(128 + stop)
 
 
 def run_fingerprint(cfg: TrainConfig, flags: dict) -> dict:

@@ -17,14 +17,16 @@ import torch
 from verl_kit.config import TrainConfig
 from verl_kit.data.packing import split_by_tokens
 from verl_kit.metrics import check_writable, setup_logging
+from verl_kit.train.output_dir import check_output_dir
 
 logger = logging.getLogger(__name__)
 
 
 def make_accelerator(cfg: TrainConfig):
     """Start a run from a recipe config (TrainConfig fields): build the Accelerator, set up logging (INFO on the main
-    process) and check that --output_dir is writable. Gradient accumulation is done by the recipe (token-budget
-    micro-batches vary in number), so accelerate and DeepSpeed are told 1 and never rescale the loss."""
+    process) and check that --output_dir is writable and not another run's (output_dir.check_output_dir). Gradient
+    accumulation is done by the recipe (token-budget micro-batches vary in number), so accelerate and DeepSpeed are
+    told 1 and never rescale the loss."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
@@ -57,6 +59,7 @@ def make_accelerator(cfg: TrainConfig):
     set_seed(cfg.seed)
     setup_logging(accelerator.is_main_process)
     check_writable(cfg.output_dir)
+    check_output_dir(cfg)  # a fresh run refuses another run's checkpoints, before anything loads
     return accelerator
 
 
@@ -171,10 +174,11 @@ def steps_indices(n: int, steps: range, per_step: int, seed: int) -> list[int]:
     return sorted({i for step in steps for i in step_indices(n, step, per_step, seed, 0, 1)})
 
 
-def destroy() -> None:
+def destroy(exit_code: int = 0) -> None:
     """A run's last call: tear the process group down (gloo otherwise warns or hangs on interpreter shutdown), all
-    ranks together, and in a run of several processes end this process right there, its atexit handlers run (the
-    trackers', a run-started vLLM server's stop) but not the interpreter's finalization. A rank finalizing after the
+    ranks together, and in a run of several processes end this process right there with `exit_code` (a preempted
+    run: checkpoint.save_if_due), its atexit handlers run (the trackers', a run-started vLLM server's stop) but not
+    the interpreter's finalization. A rank finalizing after the
     group was gone was seen to abort ("terminate called without an active exception", SIGABRT) after the run had
     saved everything, about once in 25 ZeRO-3 launches here, failing the launch; gloo's worker threads still hold
     Python objects then (pytorch#179291 describes the same crash)."""
@@ -188,7 +192,7 @@ def destroy() -> None:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(exit_code)
 
 
 def param_counts(model) -> tuple[int, int]:

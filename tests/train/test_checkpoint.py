@@ -1,0 +1,45 @@
+"""verl_kit.train.checkpoint: the run fingerprint a resume checks (the training rows' hash and the maths flags), its
+one-line refusal and --resume_ignore_changes. (A refused resume as a user meets it:
+tests/recipes/test_all_recipes.py.)"""
+
+import shutil
+
+import pytest
+from helpers import recipe_args
+
+from verl_kit.config import parse
+from verl_kit.errors import UserError
+
+
+def test_resume_changes_and_the_override(tmp_path):
+    """run_fingerprint: the train split's rows hash (the same rows under another file name hash the same, an edited
+    row does not) and the maths flags, not the free ones (--output_dir, --logging_steps). check_run refuses a change
+    in one line, warns and goes on with --resume_ignore_changes, ignores a flag the checkpoint did not record (added
+    to the kit since) and a checkpoint saved before fingerprints."""
+    from verl_kit.data import TINY_SFT
+    from verl_kit.train import check_run, run_fingerprint
+
+    sft = recipe_args("sft.py")
+
+    def fingerprint(argv):
+        cfg = parse(argv, **sft)
+        return run_fingerprint(cfg.train, cfg.flags())
+
+    for name in ("a.jsonl", "b.jsonl", "c.jsonl"):
+        shutil.copy(f"{TINY_SFT}/train.jsonl", tmp_path / name)
+    (tmp_path / "c.jsonl").write_text((tmp_path / "c.jsonl").read_text().replace("splendid", "fine", 1))
+    fp = {n: fingerprint(["--dataset_name", str(tmp_path / f"{n}.jsonl")]) for n in "abc"}
+    assert fp["a"]["data"] == fp["b"]["data"] != fp["c"]["data"]
+    free = fingerprint(["--dataset_name", str(tmp_path / "a.jsonl"), "--output_dir", "x", "--logging_steps", "7"])
+    assert check_run("ck", fp["a"], free, False) == []
+    other = fingerprint(["--dataset_name", str(tmp_path / "c.jsonl"), "--seed", "1"])
+    with pytest.raises(UserError) as e:
+        check_run("ck", fp["a"], other, False)
+    assert str(e.value).startswith(f"--resume_from_checkpoint ck: changed since the checkpoint: the training data "
+                                   f"({tmp_path / 'a.jsonl'} train rows hash {fp['a']['data']} -> ")
+    assert "; --seed 42 -> 1 (resume anyway with --resume_ignore_changes)" in str(e.value)
+    assert len(check_run("ck", fp["a"], other, True)) == 2
+    older = {**fp["a"], "flags": {k: v for k, v in fp["a"]["flags"].items() if k != "seed"}}
+    assert check_run("ck", older, fingerprint(["--dataset_name", str(tmp_path / "a.jsonl"), "--seed", "1"]),
+                     False) == []
+    assert check_run("ck", None, other, False) == []
