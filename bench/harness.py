@@ -579,7 +579,7 @@ def state_worker(argv: list[str]) -> None:
     from verl_kit.train import Trainable, destroy, make_accelerator, zero_stage
 
     cfg = TrainConfig(model_name_or_path=a.model, output_dir=os.path.join(os.path.dirname(a.out), "state_out"),
-                      per_device_train_batch_size=2, use_peft=a.lora, **LORA)
+                      per_device_train_batch_size=2, use_peft=a.lora, **(LORA if a.lora else {}))
     accelerator = make_accelerator(cfg)
     zero3 = zero_stage(accelerator) == 3
     if zero3 and a.persistence_threshold is not None:
