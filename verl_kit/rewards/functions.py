@@ -243,7 +243,7 @@ def _call_plan(name: str, fn, keys: list[str]) -> tuple[list[str] | None, list[s
     keyword (TRL's convention: TRL's own `get_soft_overlong_punishment(...)` takes `completion_ids, **kwargs`), any
     other the two lists positionally; either gets the keys it names, or all of them if it takes
     **kwargs. A required parameter with nothing to fill it is a UserError naming the function and the column; an
-    unreadable signature (some builtins) gets the two lists only, as before columns existed."""
+    unreadable signature (some builtins) gets the two lists only."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
