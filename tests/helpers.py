@@ -297,3 +297,39 @@ def build_reward_model(out: str) -> str:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)
+
+
+class Scripted:
+    """A RolloutBackend test double that 'samples' scripted texts, one per call, and records the prompts it was asked
+    (the component under test is the episode loop and what follows it, not an engine)."""
+
+    per_sample_seeds = False
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self.tokenizer, self.texts, self.prompts = tokenizer, list(texts), []
+
+    def generate(self, prompts, params):
+        import torch
+
+        from verl_kit.rollout import Rollout
+
+        self.prompts.append([list(p) for p in prompts])
+        ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        ids = torch.tensor([ids] * len(prompts))
+        return Rollout(prompts, ids, torch.ones_like(ids, dtype=torch.bool), torch.full(ids.shape, -0.5),
+                       torch.zeros(len(prompts), dtype=torch.bool))
+
+    def keep_prefixes(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b

@@ -4,12 +4,11 @@ the sample, or --reward_fallback's score counted in reward/errors; NaN reward we
 the issue's case through recipes/grpo.py: an environment whose get_reward() is NaN stops the run at step 1 in one
 line, with no checkpoint, and with --reward_fallback the run trains on finite rewards only, weights finite."""
 
-import contextlib
 import math
 
 import pytest
 import torch
-from helpers import build_reward_model, load_weights, metrics, recipe_cmd, run
+from helpers import Scripted, build_reward_model, load_weights, metrics, recipe_cmd, run
 
 from verl_kit.errors import UserError
 from verl_kit.rewards import CallLimits, Rewards, call_reward_fn, load_reward_model
@@ -55,25 +54,6 @@ def test_reward_weights_and_an_overflowing_total(tokenizer):
         Rewards(twice, None, None, tokenizer=tokenizer).of_rollout(rows, ro)
     rewards = Rewards(twice, None, None, tokenizer=tokenizer, limits=CallLimits(fallback=0.0))
     assert rewards.of_rollout(rows, ro).total.tolist() == [0.0, 0.0] and rewards.limits.errors == 2
-
-
-class Scripted:
-    """A RolloutBackend test double that 'samples' one scripted text per call (the component under test is the episode
-    loop and the scoring, not an engine)."""
-
-    per_sample_seeds = False
-
-    def __init__(self, tokenizer, texts: list[str]):
-        self.tokenizer, self.texts = tokenizer, list(texts)
-
-    def generate(self, prompts, params):
-        ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        ids = torch.tensor([ids] * len(prompts))
-        return Rollout(prompts, ids, torch.ones_like(ids, dtype=torch.bool), torch.full(ids.shape, -0.5),
-                       torch.zeros(len(prompts), dtype=torch.bool))
-
-    def keep_prefixes(self):
-        return contextlib.nullcontext()
 
 
 class NaNReward:

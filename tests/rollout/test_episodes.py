@@ -11,45 +11,15 @@ import time
 
 import pytest
 import torch
-from helpers import assert_adapter_export, launch_cmd, metrics, numbers, recipe_cmd, run
+from helpers import Scripted, add, assert_adapter_export, launch_cmd, metrics, numbers, recipe_cmd, run
 
 from verl_kit.errors import UserError
-from verl_kit.rollout import HFGenerateBackend, Rollout, SamplingParams
+from verl_kit.rollout import HFGenerateBackend, SamplingParams
 from verl_kit.rollout.episodes import Episodes, check_prefix_property
 from verl_kit.rollout.prompts import episode_metrics
 from verl_kit.train.actor_critic import pack_responses
 
 ROW = {"prompt": [{"role": "user", "content": "Add two and three."}], "answer": "5"}
-
-
-class Scripted:
-    """A RolloutBackend test double that 'samples' scripted texts, one per call, and records what it was asked: the
-    component under test is the episode loop, not an engine."""
-
-    per_sample_seeds = False
-
-    def __init__(self, tokenizer, texts: list[str]):
-        self.tokenizer, self.texts, self.prompts = tokenizer, list(texts), []
-
-    def generate(self, prompts, params):
-        self.prompts.append([list(p) for p in prompts])
-        ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        ids = torch.tensor([ids] * len(prompts))
-        return Rollout(prompts, ids, torch.ones_like(ids, dtype=torch.bool), torch.full(ids.shape, -0.5),
-                       torch.zeros(len(prompts), dtype=torch.bool))
-
-    def keep_prefixes(self):
-        return contextlib.nullcontext()
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first
-        b: the second
-    """
-    return a + b
 
 
 def boom() -> str:

@@ -3,14 +3,14 @@ parser's recursion, an integer of 5,000 digits, a call without `arguments` or wh
 that exits, and an environment whose `respond` or `get_reward` raises each end that tool call (an error result the
 model sees, counted in tools/failure_frequency) or that episode (counted in episode/env_errors), never the run."""
 
-import contextlib
 import json
 
 import pytest
 import torch
+from helpers import Scripted, add
 
 from verl_kit.rewards import CallLimits, Rewards
-from verl_kit.rollout import Rollout, SamplingParams
+from verl_kit.rollout import SamplingParams
 from verl_kit.rollout.episodes import Episodes
 from verl_kit.rollout.prompts import episode_metrics
 from verl_kit.rollout.tools import call_tool, parse_tool_calls
@@ -18,15 +18,6 @@ from verl_kit.rollout.tools import call_tool, parse_tool_calls
 NESTED = "[" * 1500 + "]" * 1500
 HUGE = "9" * 5000
 
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first
-        b: the second
-    """
-    return a + b
 
 
 def leave() -> str:
@@ -66,24 +57,6 @@ def test_calls_from_any_parser_are_normalised():
     assert failed and "malformed tool call" in result
     name, result, failed = call_tool({"leave": leave}, {"name": "leave", "arguments": {}}, 1.0)
     assert failed and result == "{'error': '3'}"
-
-
-class Scripted:
-    """A RolloutBackend test double that 'samples' one scripted text per call."""
-
-    per_sample_seeds = False
-
-    def __init__(self, tokenizer, texts: list[str]):
-        self.tokenizer, self.texts = tokenizer, list(texts)
-
-    def generate(self, prompts, params):
-        ids = self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        ids = torch.tensor([ids] * len(prompts))
-        return Rollout(prompts, ids, torch.ones_like(ids, dtype=torch.bool), torch.full(ids.shape, -0.5),
-                       torch.zeros(len(prompts), dtype=torch.bool))
-
-    def keep_prefixes(self):
-        return contextlib.nullcontext()
 
 
 class Fragile:
