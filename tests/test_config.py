@@ -26,7 +26,9 @@ def test_yaml_then_cli_overrides(tmp_path):
     (["--learning_rat", "1e-3"], "unknown flag.* --learning_rat "),
     (["--lerning_rate", "1e-3"], "unknown flag.* --lerning_rate "),
     (["--learning_rate", "fast"], "--learning_rate.*invalid float value: 'fast'"),
-    (["--report_to", "mlflow"], "--report_to: 'mlflow' is not one of none, wandb, tensorboard"),
+    (["--report_to", "wandb,mlfow"], "--report_to: 'wandb,mlfow': expected none, all, or a comma-separated list of "
+                                     "aim, clearml, comet_ml, dvclive, mlflow, swanlab, tensorboard, trackio, wandb"),
+    (["--report_to", "all,wandb"], "--report_to: 'all,wandb': expected none, all"),
     (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size: must be >= 1"),
     (["--max_prompt_length", "600", "--max_length", "512"], "--max_prompt_length"),
     (["--bf16", "maybe"], "--bf16"),
@@ -34,6 +36,23 @@ def test_yaml_then_cli_overrides(tmp_path):
 def test_cli_errors_name_the_flag(argv, expected):
     with pytest.raises(UserError, match=expected):
         parse_args(TrainConfig, argv)
+
+
+def test_report_to_names_every_accelerate_tracker_and_refuses_a_missing_one():
+    """--report_to takes accelerate's trackers under TRL's names; one that is not installed stops the run in one line
+    (accelerate alone drops it silently); `all` is every installed one."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    from verl_kit.config import TRACKERS
+    from verl_kit.train.distributed import trackers
+
+    assert sorted(TRACKERS) == sorted(LOGGER_TYPE_TO_CLASS)
+    installed = sorted(str(t.value) for t in get_available_trackers())
+    assert sorted(trackers(parse_args(TrainConfig, ["--report_to", "all"]))) == installed
+    assert trackers(parse_args(TrainConfig, ["--report_to", "none"])) == []
+    missing = next(t for t in TRACKERS if t not in installed)
+    with pytest.raises(UserError, match=f"--report_to tensorboard,{missing}: {missing} not installed .*installed: "):
+        trackers(parse_args(TrainConfig, ["--report_to", f"tensorboard,{missing}"]))
 
 
 def test_yaml_errors_name_the_key(tmp_path):

@@ -23,6 +23,9 @@ from verl_kit.errors import UserError
 from verl_kit.models.lora import check_flags as check_lora_flags
 from verl_kit.models.tiny import TINY_MODEL_NAME, TINY_PREFS
 
+# --report_to's trackers: accelerate 1.15's (accelerate.tracking.LOGGER_TYPE_TO_CLASS), under the names TRL uses
+TRACKERS = ("aim", "clearml", "comet_ml", "dvclive", "mlflow", "swanlab", "tensorboard", "trackio", "wandb")
+
 logger = logging.getLogger("verl_kit")
 
 
@@ -63,8 +66,7 @@ class TrainConfig(Config):
     """What every recipe shares: the model and its LoRA adapter, the data, the optimizer and its schedule, packing and
     micro-batches, checkpoints and logging; named as in transformers/TRL so that existing configs carry over."""
 
-    CHOICES: ClassVar[dict] = {"report_to": ("none", "wandb", "tensorboard"),
-                               "attn_implementation": (None, "sdpa", "eager", "flash_attention_2")}
+    CHOICES: ClassVar[dict] = {"attn_implementation": (None, "sdpa", "eager", "flash_attention_2")}
 
     model_name_or_path: str = field(default=TINY_MODEL_NAME, metadata={
         "help": "HF model id or local path; 'tiny-llama' builds the embedded tiny model offline on first use"})
@@ -116,7 +118,9 @@ class TrainConfig(Config):
     resume_ignore_changes: bool = field(default=False, metadata={
         "help": "resume although the training data or a flag that changes the maths differs from the checkpoint's "
                 "(refused by default; docs/checkpoints.md)"})
-    report_to: str = field(default="none", metadata={"help": "none, wandb or tensorboard"})
+    report_to: str = field(default="none", metadata={
+        "help": "trackers beside metrics.jsonl: none, all (every installed one), or a comma-separated list of "
+                f"{', '.join(TRACKERS)} (TRL's and accelerate's names)"})
     run_name: str | None = field(default=None, metadata={"help": "tracker run name"})
     collective_timeout_s: int = field(default=1800, metadata={"help": "timeout for every collective (seconds)"})
     use_peft: bool = field(default=False, metadata={
@@ -139,9 +143,19 @@ class TrainConfig(Config):
             raise UserError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues a run: "
                             "pass one of them")
         check_lora_flags(self, types.SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(self)}))
+        unknown = [t for t in self.trackers if t not in (*TRACKERS, "all")]
+        if unknown or (len(self.trackers) > 1 and "all" in self.trackers):
+            raise UserError(f"--report_to: {self.report_to!r}: expected none, all, or a comma-separated list of "
+                            f"{', '.join(TRACKERS)}")
         if self.max_prompt_length >= self.max_length:
             raise UserError(f"--max_prompt_length ({self.max_prompt_length}) must be below --max_length "
                             f"({self.max_length}) to leave room for the completion")
+
+    @property
+    def trackers(self) -> list[str]:
+        """--report_to as a list: [] for none, ["all"], or the trackers named."""
+        names = [t.strip() for t in self.report_to.split(",") if t.strip()]
+        return [] if names == ["none"] else names
 
     def total_steps(self, examples: int, per_step: int) -> int:
         """Optimizer steps of the run: --max_steps, or --num_train_epochs over `examples` taken `per_step` a step."""

@@ -8,7 +8,10 @@ import json
 import logging
 import math
 import os
+import resource
 import time
+
+import torch
 
 from verl_kit.durable import write_text
 from verl_kit.errors import UserError
@@ -110,6 +113,19 @@ def rows_through(path: str, step: int) -> list[str]:
     return kept
 
 
+# The keyword each tracker's init takes for --run_name (accelerate passes init_kwargs[tracker] to it)
+RUN_NAME_KEYS = {"wandb": "name", "trackio": "name", "mlflow": "run_name", "swanlab": "experiment_name"}
+
+
+def peak_memory() -> dict[str, float]:
+    """This process's peak memory so far, in GiB: `perf/peak_rss_gib` (resident, the kernel's high-water mark: what
+    an out-of-memory kill compares) and, on CUDA, `perf/peak_gpu_gib` (torch.cuda.max_memory_allocated)."""
+    out = {"perf/peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["perf/peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    return out
+
+
 class MetricsLogger:
     """Main-process sink for metrics. On resume, rows past the resumed step (logged by the killed run after its last
     checkpoint) are dropped so that metrics.jsonl reads as one run; the files are rewritten atomically, and each row
@@ -129,7 +145,7 @@ class MetricsLogger:
             if os.path.exists(path):
                 write_text(path, "".join(rows_through(path, start_step)) if start_step > 0 else "")
         if accelerator.log_with:
-            init = {"wandb": {"name": run_name}} if run_name else {}
+            init = {t: {key: run_name} for t, key in RUN_NAME_KEYS.items()} if run_name else {}
             accelerator.init_trackers("verl-kit", config=config, init_kwargs=init)
         from tqdm.auto import tqdm
 
@@ -141,7 +157,7 @@ class MetricsLogger:
         if not self.main:
             return
         row = {"step": step, "elapsed_s": round(time.time() - self.start, 3),
-               **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
+               **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}, **peak_memory()}
         _append(self.path, [json.dumps(row) + "\n"])
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=step)

@@ -19,7 +19,7 @@ SMOKE = ["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2", "--sav
 ONLINE = ["--prompts_per_step", "8", "--dataset_test_split", "test[:8]"]
 OFFLINE = ["--dataset_test_split", "test[:16]"]
 BF16 = ["--bf16", "true"]  # DPO and GRPO run in bf16 on CPU (docs/gpu.md), the others in fp32
-EXTRA = {"sft.py": OFFLINE, "reward_model.py": OFFLINE, "dpo.py": [*OFFLINE, "--report_to", "tensorboard", *BF16],
+EXTRA = {"sft.py": OFFLINE, "reward_model.py": OFFLINE, "dpo.py": [*OFFLINE, "--report_to", "tensorboard,wandb", *BF16],
          "kto.py": [*OFFLINE, "--report_to", "wandb"], "ppo.py": ONLINE, "grpo.py": [*ONLINE, *BF16],
          # teacher = student (teacher_kl 0): the task reward, mixed into the advantage, is what trains it here
          "distill.py": [*ONLINE, "--teacher_model_name_or_path", "tiny-llama", "--num_generations", "2",
@@ -65,9 +65,9 @@ def test_two_steps_end_to_end(recipe, smoke):
     assert (out / "final" / "tokenizer_config.json").is_file()
     assert (out / "curves.png").stat().st_size > 1000
     assert "step 2: " in stderr  # the INFO line
-    if recipe == "dpo.py":
+    if recipe == "dpo.py":  # two trackers at once
         assert list(out.glob("**/events.out.tfevents.*")), sorted(p.name for p in out.rglob("*"))
-    if recipe == "kto.py":
+    if recipe in ("dpo.py", "kto.py"):
         assert list(root.glob("wandb/offline-run-*")), sorted(p.name for p in root.rglob("*"))
 
 

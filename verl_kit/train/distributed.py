@@ -16,10 +16,27 @@ import torch
 
 from verl_kit.config import TrainConfig
 from verl_kit.data.packing import split_by_tokens
+from verl_kit.errors import UserError
 from verl_kit.metrics import check_writable, setup_logging
 from verl_kit.train.output_dir import check_output_dir
 
 logger = logging.getLogger(__name__)
+
+
+def trackers(cfg: TrainConfig) -> list[str]:
+    """--report_to checked against what is installed: a tracker named but not installed stops the run in one line
+    (accelerate would drop it with a debug message), and `all` means every installed one."""
+    from accelerate.tracking import get_available_trackers
+
+    available = [str(getattr(t, "value", t)) for t in get_available_trackers()]
+    if cfg.trackers == ["all"]:
+        return available
+    missing = [t for t in cfg.trackers if t not in available]
+    if missing:
+        raise UserError(f"--report_to {cfg.report_to}: {', '.join(missing)} not installed "
+                        f"(pip install {' '.join(m.replace('_', '-') for m in missing)}); installed: "
+                        f"{', '.join(available) or 'none'}")
+    return cfg.trackers
 
 
 def make_accelerator(cfg: TrainConfig):
@@ -43,7 +60,7 @@ def make_accelerator(cfg: TrainConfig):
         mixed_precision="bf16" if bf16 else "no",
         gradient_accumulation_steps=1,
         kwargs_handlers=[pg] if world > 1 else [],
-        log_with=None if cfg.report_to == "none" else cfg.report_to,
+        log_with=trackers(cfg) or None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
     )
     if world > 1 and accelerator.num_processes == 1 or world > 1 and accelerator.distributed_type.value == "NO":
