@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from verl_kit.algos import clipped_surrogate, dpo_loss, group_advantages, value_loss  # noqa: E402
-from verl_kit.data.packing import forward_logits, layout, split_by_tokens, token_logprobs  # noqa: E402
+from verl_kit.data.packing import layout, logprobs_from_logits, split_by_tokens  # noqa: E402
 
 DRY = os.environ.get("GPU_CHECK_DRY_RUN", "0") == "1"
 TIMEOUT_S = float(os.environ.get("GPU_CHECK_TIMEOUT_S", "60" if DRY else "480"))
@@ -156,9 +156,14 @@ def batch_for(cfg: dict, seqs, masks, attn: str, device):
 
 def seq_logps(model, batch, device):
     with autocast(device):
-        logits = forward_logits(model, batch)
-    logps, index = token_logprobs(logits, batch)
-    return logps, index
+        logits = model(**batch.inputs()).logits
+    return token_logprobs(logits, batch)
+
+
+def token_logprobs(logits, batch):
+    """The whole-logits path (this script runs without TRL, whose kernels verl_kit.train.lm_head uses)."""
+    scored = batch.scored
+    return logprobs_from_logits(logits[:, :-1][scored], batch.input_ids[:, 1:][scored]), batch.seq_ids[:, 1:][scored]
 
 
 def run_recipe(check: Check, name: str, cfg: dict, device) -> dict:
@@ -275,13 +280,13 @@ def packed_vs_padded(device) -> dict:
             batch = layout(seqs, masks, pad_id=0, packing=packing, packing_length=4 * (48 if DRY else 512),
                            block_mask=not flash).to(device)
             with autocast(device, bf16):
-                logps, index = token_logprobs(forward_logits(model, batch), batch)
+                logps, index = token_logprobs(model(**batch.inputs()).logits, batch)
             got.append(logps[torch.argsort(index, stable=True)])
         out["bf16" if bf16 else "fp32"] = float((got[0] - got[1]).abs().max())
         if not bf16:  # the negative control: packed rows, no block mask and positions running on
             batch.attention_mask = None
             batch.position_ids = torch.arange(batch.input_ids.shape[1], device=device).expand_as(batch.input_ids)
-            logps, index = token_logprobs(forward_logits(model, batch), batch)
+            logps, index = token_logprobs(model(**batch.inputs()).logits, batch)
             out["fp32_packed_without_mask"] = float((got[0] - logps[torch.argsort(index, stable=True)]).abs().max())
             out["logprob_std"] = float(got[0].std())
     out["ok"] = None if flash else out["fp32"] < 1e-3 and out["fp32_packed_without_mask"] > 1e-2

@@ -173,11 +173,14 @@ def main():
             first = update.epoch == 0  # the first pass over the batch: the samples' reverse KL, before any update
             with timer("update_actor"):
                 for chunk in actor.accumulate(update.chunks):
-                    logits, logprobs, ix = packed.forward(actor.model, ro, chunk, device)
+                    if dist.loss_type == "jsd":  # both models' whole distributions at each sampled position
+                        logprobs, entropy, jsd, t_lp, ix = packed.divergence(actor.model, teacher, ro, chunk, device,
+                                                                             dist.beta)
+                    else:
+                        logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
                     old = logprobs.detach() if dist.one_update else ix.gather(old_logprobs, device)
-                    if dist.loss_type == "jsd":  # the teacher's whole distribution at each sampled position
-                        t_logits, t_lp, _ = packed.forward(teacher, ro, chunk, device)  # frozen: no graph
-                        loss, clipped = algos.generalized_jsd(logits, t_logits, dist.beta), torch.zeros_like(old)
+                    if dist.loss_type == "jsd":  # algos.generalized_jsd, in chunks through both LM heads
+                        loss, clipped = jsd, torch.zeros_like(old)
                     else:
                         t_lp = ix.gather(teacher_lp, device)
                         adv = algos.reverse_kl_advantages(old, t_lp) + ix.gather(task_adv, device)
@@ -193,7 +196,7 @@ def main():
                     actor.backward(algos.global_mean_share(loss, n_tok, world))
                     with torch.no_grad():
                         tally.add(tokens=len(loss), loss=loss, pg_clipfrac=clipped,
-                                  approx_kl=0.5 * (logprobs - old) ** 2, entropy=algos.entropy_from_logits(logits))
+                                  approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy)
                     if first:  # the per-token reverse KL of the samples, before this step's update
                         tally.add(teacher_kl=old - t_lp, kl_tokens=len(loss))
                         student_lp[ix.row, ix.pos], teacher_lp[ix.row, ix.pos] = old.float().cpu(), t_lp.cpu()

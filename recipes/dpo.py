@@ -138,7 +138,7 @@ def main():
         for chunk in policy.accumulate(train.micro_batches(tc, idx, costs)):
             exs = [pairs[i] for i in chunk]
             batch = train.make_batch(items(exs), tc, pad, block_mask).to(device)
-            logps = data.sequence_logprobs(data.forward_logits(policy.model, batch), batch).view(-1, 2)
+            logps = train.sequence_logprobs(policy.model, batch).view(-1, 2)
             ref = ref_train[chunk].to(device)
             losses = pair_loss(logps, ref, lengths(exs).to(device), terms, dpo)
             # Mean over the pairs of the global step. DDP and DeepSpeed average gradients over ranks, so the rank's

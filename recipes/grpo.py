@@ -184,7 +184,7 @@ def main():
             n = train.reduce_metrics({"tokens": lengths[mb][keep[mb]].sum(), "seqs": keep[mb].sum()})  # all ranks
             with timer("update_actor"):
                 for chunk in actor.accumulate(update.chunks):
-                    logits, logprobs, ix = packed.forward(actor.model, ro, chunk, device)
+                    logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
                     old = logprobs.detach() if grpo.one_update else ix.gather(old_logprobs, device)
                     adv, row = ix.gather(advantages, device), ix.row.to(device)  # a response's advantage per token
                     # ratio per token, or GSPO's per response (the tokens of a response are all in this chunk)
@@ -210,7 +210,7 @@ def main():
                     actor.backward(algos.global_mean_share((loss + grpo.beta * kl) * w.to(device), 1.0, world))
                     with torch.no_grad():
                         tally.add(tokens=len(loss), pg_loss=loss, pg_clipfrac=clipped,
-                                  approx_kl=0.5 * (logprobs - old) ** 2, entropy=algos.entropy_from_logits(logits),
+                                  approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy,
                                   kl=kl)
                 grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
 

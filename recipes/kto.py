@@ -144,7 +144,7 @@ def main():
         with torch.no_grad():
             for ids in chunks:
                 batch = train.make_batch(sequences(examples, kl_train, ids, kl=True), tc, pad, block_mask).to(device)
-                logps = data.sequence_logprobs(data.forward_logits(policy.model, batch), batch).cpu()
+                logps = train.sequence_logprobs(policy.model, batch).cpu()
                 kl.add(logratio=logps - ref_train[ids, 1], pairs=len(ids), tokens=batch.num_tokens)
         kl = kl.reduce()
         z0 = algos.kl_reference_point(torch.tensor(kl["logratio"]), torch.tensor(kl["pairs"])).float().to(device)
@@ -153,7 +153,7 @@ def main():
         for ids in policy.accumulate(chunks):
             batch = train.make_batch(sequences(examples, kl_train, ids), tc, pad, block_mask).to(device)
             y = labels(examples, ids).to(device)
-            logps = data.sequence_logprobs(data.forward_logits(policy.model, batch), batch)
+            logps = train.sequence_logprobs(policy.model, batch)
             ref = ref_train[ids, 0].to(device)
             losses = algos.kto_loss(logps, ref, y, z0, kto.beta, kto.desirable_weight, kto.undesirable_weight)
             # Mean over the examples of the global step, never over a micro-batch or a class: DDP and DeepSpeed

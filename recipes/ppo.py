@@ -152,7 +152,7 @@ def main():
             n_tok = train.reduce_metrics({"n": lengths[update.rows].sum()})["n"]  # minibatch tokens, all ranks
             with timer("update_actor"):
                 for chunk in actor.accumulate(update.chunks):
-                    logits, logprobs, ix = packed.forward(actor.model, ro, chunk, device)
+                    logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
                     old, adv = ix.gather(old_logprobs, device), ix.gather(advantages, device)
                     pg = algos.clipped_surrogate(logprobs - old, adv, cfg.ratio.cliprange, cfg.ratio.epsilon_high)
                     # the engine sampled from mu, not pi_old: importance weights (algos.off_policy), measured once
@@ -161,7 +161,6 @@ def main():
                         tally.add(**algos.mismatch_metrics(*is_terms, **cfg.ratio.importance_sampling_args()))
                     if correct:
                         pg = pg * algos.importance_weights(*is_terms, **cfg.ratio.importance_sampling_args())
-                    entropy = algos.entropy_from_logits(logits)
                     # token mean over the minibatch on all ranks (algos.reduction.global_mean_share)
                     actor.backward(algos.global_mean_share(pg - ppo.ent_coef * entropy, n_tok, world))
                     with torch.no_grad():  # approx_kl = mean 0.5 (log ratio)^2 (Schulman's k2)

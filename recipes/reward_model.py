@@ -90,8 +90,7 @@ def main():
         tally = train.Tally()
         for chunk in rm.accumulate(train.micro_batches(tc, idx, costs)):
             batch = train.make_batch(items([pairs[i] for i in chunk]), tc, pad, block_mask).to(device)
-            r = rewards.sequence_rewards(rm.model(batch.input_ids, batch.attention_mask, batch.position_ids), batch,
-                                         pad)
+            r = rewards.sequence_rewards(rm.model(**batch.inputs()), batch, pad)
             r = r.view(-1, 2)  # (pairs, [chosen, rejected])
             m = margin_train[chunk].to(device) if margin_train is not None else None
             losses = algos.bradley_terry_loss(r[:, 0], r[:, 1], m, center)

@@ -100,7 +100,7 @@ def main():
         tally = train.Tally()
         for chunk in policy.accumulate(chunks):
             batch = train.make_batch(items([examples[i] for i in chunk]), tc, pad, block_mask).to(device)
-            logps, _ = data.token_logprobs(data.forward_logits(policy.model, batch), batch)
+            logps, _ = train.token_logprobs(policy.model, batch)
             policy.backward(algos.global_mean_share(-logps, n_tokens, world))
             tally.add(nll=-logps.detach(), tokens=batch.num_tokens)
         grad_norm = policy.step()

@@ -10,16 +10,15 @@ from helpers import write_jsonl
 
 from verl_kit.algos import kl_reference_point, kto_loss
 from verl_kit.data import (
-    forward_logits,
     layout,
     load_split,
     mismatched_partners,
     preference_examples,
-    sequence_logprobs,
     unpaired_examples,
 )
 from verl_kit.errors import UserError
 from verl_kit.models import TINY_PREFS, load_causal_lm
+from verl_kit.train import sequence_logprobs
 
 CONV = {"prompt": [{"role": "user", "content": "Tell me about the sea."}],
         "chosen": [{"role": "assistant", "content": "The sea is lovely."}],
@@ -226,12 +225,12 @@ def test_packed_kto_target_and_kl_equal_padded(model):
         model.zero_grad()
         with torch.no_grad():
             kl_batch = layout(*seqs(True), pad_id=0, packing=packing, packing_length=40)
-            kl_sum = (sequence_logprobs(forward_logits(model, kl_batch), kl_batch) - ref_kl).sum()
+            kl_sum = (sequence_logprobs(model, kl_batch) - ref_kl).sum()
         z0 = kl_reference_point(kl_sum + 200.0, torch.tensor(7))  # shifted so z0 > 0 and the clamp is inactive
         batch = layout(*seqs(False), pad_id=0, packing=packing, packing_length=40)
         if packing:
             assert batch.input_ids.shape[0] < 7 and kl_batch.input_ids.shape[0] < 7  # really packed
-        loss = kto_loss(sequence_logprobs(forward_logits(model, batch), batch), ref, labels, z0, beta=0.1).mean()
+        loss = kto_loss(sequence_logprobs(model, batch), ref, labels, z0, beta=0.1).mean()
         loss.backward()
         return kl_sum, z0, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -5,16 +5,13 @@ import torch
 
 from verl_kit.algos import dpo_loss
 from verl_kit.data import (
-    block_causal_mask,
-    forward_logits,
     layout,
     pack_balanced,
     pack_rows,
-    sequence_logprobs,
     split_by_tokens,
-    token_logprobs,
 )
 from verl_kit.models import load_causal_lm
+from verl_kit.train import sequence_logprobs, token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +43,8 @@ def test_packed_token_logprobs_equal_padded(model):
     packed = layout(seqs, masks, pad_id=0, packing=True, packing_length=40)
     assert packed.input_ids.shape[0] < padded.input_ids.shape[0]  # really packed: fewer rows
     assert packed.num_tokens == padded.num_tokens == sum(map(len, seqs))
-    lp_pad, idx_pad = token_logprobs(forward_logits(model, padded), padded)
-    lp_pack, idx_pack = token_logprobs(forward_logits(model, packed), packed)
+    lp_pad, idx_pad = token_logprobs(model, padded)
+    lp_pack, idx_pack = token_logprobs(model, packed)
     # Same multiset of (sequence, token) scores: compare per sequence in order.
     for s in range(len(seqs)):
         a, b = lp_pad[idx_pad == s], lp_pack[idx_pack == s]
@@ -62,7 +59,7 @@ def test_packed_dpo_loss_and_grads_equal_padded(model):
     def loss_and_grads(packing):
         model.zero_grad()
         batch = layout(seqs, masks, pad_id=0, packing=packing, packing_length=48)
-        logps = sequence_logprobs(forward_logits(model, batch), batch).view(-1, 2)
+        logps = sequence_logprobs(model, batch).view(-1, 2)
         loss = dpo_loss(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], beta=0.1).mean()
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -74,11 +71,25 @@ def test_packed_dpo_loss_and_grads_equal_padded(model):
         torch.testing.assert_close(g_pack[name], g_pad[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_block_causal_mask_shape_and_values():
-    """Row [0,0,1,-1]: token 2 (seq 1) sees only itself; token 1 sees 0 and 1; padding sees itself."""
-    m = block_causal_mask(torch.tensor([[0, 0, 1, -1]]))
-    allowed = (m[0, 0] == 0).int().tolist()
-    assert allowed == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+def test_segments_of_packed_rows():
+    """Sequences of 3, 2 and 4 tokens in rows of 5: rows [4 | pad] and [3 | 2], tokens numbered row-major 0-9. Each
+    sequence attends over its own tokens, [0 1 2 3], [5 6 7], [8 9]; lists of 4 and 3 go in one batch (3 >= 0.75 x 4),
+    the shorter padded with its last token, the 2 in another: slots [0 1 2 3 | 5 6 7 7] [8 9]. Each token's output
+    is at its home slot; the padding token 4 reads the zero row after the 10 slots, and slot 7 (a repeat for padding)
+    is no token's home (owner 10, the zero row after the tokens, as for the zero row itself). Without the block mask
+    there are no segments (flash-attention's varlen path reads the position ids)."""
+    seqs = [[7] * 3, [7] * 2, [7] * 4]
+    batch = layout(seqs, [[True] * len(s) for s in seqs], pad_id=0, packing=True, packing_length=5)
+    assert batch.seq_ids.tolist() == [[2, 2, 2, 2, -1], [0, 0, 0, 1, 1]]
+    assert batch.attention_mask is None and batch.inputs()["segments"] is batch.segments
+    seg = batch.segments
+    assert seg.shapes == [(2, 4), (1, 2)] and seg.slots.tolist() == [0, 1, 2, 3, 5, 6, 7, 7, 8, 9]
+    assert seg.home.tolist() == [0, 1, 2, 3, 10, 4, 5, 6, 8, 9]
+    assert seg.owner.tolist() == [0, 1, 2, 3, 5, 6, 7, 10, 8, 9, 10] and seg.repeat_slot.numel() == 0
+    plain = layout(seqs, [[True] * len(s) for s in seqs], 0, True, 5, block_mask=False)
+    assert plain.segments is None and plain.attention_mask is None and "segments" not in plain.inputs()
+    padded = layout(seqs, [[True] * len(s) for s in seqs], 0, False)
+    assert padded.segments is None and padded.attention_mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
 
 
 def test_pack_rows_fits_and_covers():
@@ -123,21 +134,22 @@ def test_split_by_tokens_budget_and_fixed_count():
 
 
 def test_layout_pads_when_packing_does_not_pay():
-    """Under the dense block mask a packed row of W tokens costs W (1 + W / 6h) (packing.row_cost). 16 sequences of
-    40 tokens, h=512, packing_length 512: best-fit needs 2 rows (12 + 4 sequences), balanced to 8 + 8, 320 wide;
-    padded 16 * 40 * 1.013 = 648 < packed 2 rows * 320 * 1.104 = 707, so they are padded. One sequence of 400 and 15
-    of 10 (550 tokens, 2 rows): balanced rows of 400 ([400] and the 15 tens, 150); padded 16 * 400 * 1.13 = 7233 >
-    packed 2 * 400 * 1.13 = 904, so they are packed. Without hidden_size, or without the block mask
-    (flash-attention varlen), packing is always kept."""
-    even = [[7] * 40] * 16
-    batch = layout(even, [[True] * 40] * 16, pad_id=0, packing=True, packing_length=512, hidden_size=512)
-    assert batch.input_ids.shape == (16, 40) and batch.attention_mask.dim() == 2
+    """Under the block mask a layout of R rows W wide whose sequences attend over s tokens each costs
+    R W + sum(s^2) / 6h (packing.layout_cost); a padded row attends over its whole width. Three sequences of 100,
+    h=128, packing_length 200: best-fit needs 2 rows, one half empty, and balancing cannot narrow them (3 of 100 do
+    not fit 2 rows under 200); padded 3 * 100 + 3 * 100^2 / 768 = 339 < packed 2 * 200 + 39 = 439, so they are padded.
+    One sequence of 400 and 15 of 10 (550 tokens, 2 rows), h=512: balanced rows of 400 ([400] and the 15 tens);
+    padded 16 * 400 + 16 * 400^2 / 3072 = 7233 > packed 2 * 400 + (400^2 + 15 * 10^2) / 3072 = 853, so they are
+    packed. Without hidden_size, or without the block mask (flash-attention varlen), packing is always kept."""
+    even = [[7] * 100] * 3
+    batch = layout(even, [[True] * 100] * 3, pad_id=0, packing=True, packing_length=200, hidden_size=128)
+    assert batch.input_ids.shape == (3, 100) and batch.attention_mask.dim() == 2 and batch.segments is None
     for kwargs in ({}, {"block_mask": False}):
-        assert layout(even, [[True] * 40] * 16, 0, True, 512, hidden_size=None if not kwargs else 512,
-                      **kwargs).input_ids.shape == (2, 320)
+        assert layout(even, [[True] * 100] * 3, 0, True, 200, hidden_size=None if not kwargs else 128,
+                      **kwargs).input_ids.shape == (2, 200)
     skewed = [[7] * 400] + [[7] * 10] * 15
     batch = layout(skewed, [[True] * len(s) for s in skewed], 0, True, 512, hidden_size=512)
-    assert batch.input_ids.shape == (2, 400) and batch.attention_mask.dim() == 4
+    assert batch.input_ids.shape == (2, 400) and batch.attention_mask is None and batch.segments is not None
 
 
 def _groups():
@@ -168,7 +180,7 @@ def test_shared_prefix_equals_padded(model):
         assert batch.num_tokens == sum(map(len, seqs)) - sum(shared[:7]) + prefix_tokens
         for b in (padded, batch):
             model.zero_grad()
-            lp, idx = token_logprobs(forward_logits(model, b), b)
+            lp, idx = token_logprobs(model, b)
             lp.sum().backward()
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
             if b is padded:
@@ -180,22 +192,28 @@ def test_shared_prefix_equals_padded(model):
                 torch.testing.assert_close(grads[name], g_pad[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_shared_prefix_mask_and_choice():
-    """Sequences 0 and 1 share the prefix [3, 4]: the row is [3 4 | 5 6 | 5 7]; 0's tokens see the prefix and
-    themselves, never 1's; positions continue after the prefix. A prefix is never shared past the token before the
-    first scored one, and the shared layout is used only when it costs less (row_cost)."""
+def test_shared_prefix_segments_and_choice():
+    """Sequences 0 and 1 share the prefix [3, 4]: the row is [3 4 | 5 6 | 5 7]; 0's tokens attend over the prefix and
+    themselves, [0 1 2 3], and own all four (prefix and 0 are contiguous, one causal sequence); 1's attend over the
+    prefix and themselves, [0 1 4 5] (slots 4-7), and own the last two; slots 4 and 5 repeat the prefix, whose
+    gradients add to its home's. Positions continue after the prefix. A prefix is never shared past the token before
+    the first scored one, and the shared layout is used only when it costs less (layout_cost)."""
     seqs, masks = [[3, 4, 5, 6], [3, 4, 5, 7]], [[False, False, False, True]] * 2
     batch = layout(seqs, masks, 0, True, 16, shared_prefix=[2, 2])
     assert batch.input_ids.tolist() == [[3, 4, 5, 6, 5, 7]]
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 2, 3]]
-    allowed = (batch.attention_mask[0, 0] == 0).int().tolist()
-    assert allowed == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0],
-                       [1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 1, 1]]
+    seg = batch.segments
+    assert seg.shapes == [(2, 4)] and seg.slots.tolist() == [0, 1, 2, 3, 0, 1, 4, 5]
+    assert seg.home.tolist() == [0, 1, 2, 3, 6, 7] and seg.owner.tolist() == [0, 1, 2, 3, 6, 6, 4, 5, 6]
+    assert seg.repeat_slot.tolist() == [4, 5] and seg.repeat_token.tolist() == [0, 1]  # the prefix, seen by 1
     assert batch.input_ids[:, 1:][batch.scored].tolist() == [6, 7]
     # asked to share 3 tokens, it shares 2: token 5 predicts the scored 6/7, so each sequence keeps its own
     assert layout(seqs, masks, 0, True, 16, shared_prefix=[3, 3]).input_ids.tolist() == [[3, 4, 5, 6, 5, 7]]
-    # completions of 38 tokens after a 2-token prompt, h = 8: sharing saves one token but one row of 79 costs
-    # 79 (1 + 79/48) = 209 against two padded rows of 40, 2 * 40 (1 + 40/48) = 147
-    long = [[3, 4] + [5] * 38, [3, 4] + [6] * 38]
-    plain = layout(long, [[False] * 2 + [True] * 38] * 2, 0, True, 128, hidden_size=8, shared_prefix=[1, 1])
-    assert plain.input_ids.tolist() == long and plain.attention_mask.dim() == 2
+    # two sequences of 5 sharing 2 tokens, rows of 8: shared [3 4 | 9 5 5 | 9 6 6] fills one row where the plain
+    # layout takes two of 5; with two sequences of 3 besides, shared [3 4 9 5 5 9 6 6] [7 7 7 8 8 8] takes 2 rows of
+    # 8 as the plain [5 + 3] [5 + 3] does: no cheaper, so not shared
+    seqs, masks = [[3, 4, 9, 5, 5], [3, 4, 9, 6, 6]], [[False] * 3 + [True] * 2] * 2
+    assert layout(seqs, masks, 0, True, 8, shared_prefix=[2, 2]).input_ids.tolist() == [[3, 4, 9, 5, 5, 9, 6, 6]]
+    seqs, masks = seqs + [[7] * 3, [8] * 3], masks + [[True] * 3] * 2
+    plain = layout(seqs, masks, 0, True, 8, shared_prefix=[2, 2, 0, 0])
+    assert plain.input_ids.shape == (2, 8) and int((plain.seq_ids >= 4).sum()) == 0  # no prefix segment

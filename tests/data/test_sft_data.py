@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from verl_kit.algos import global_mean_share
-from verl_kit.data import TINY_SFT, forward_logits, layout, load_split, sft_examples, token_logprobs, truncate
+from verl_kit.data import TINY_SFT, layout, load_split, sft_examples, truncate
 from verl_kit.errors import UserError
 from verl_kit.models import load_causal_lm
+from verl_kit.train import token_logprobs
 
 USER = {"role": "user", "content": "Tell me about the sea."}
 REPLY = {"role": "assistant", "content": "The sea is lovely."}
@@ -127,7 +128,7 @@ def sft_loss_and_grads(model, exs, chunks, packing, n_tokens):
     for chunk in chunks:
         batch = layout([exs[i].input_ids for i in chunk], [exs[i].loss_mask for i in chunk], pad_id=0,
                        packing=packing, packing_length=64)
-        logps, _ = token_logprobs(forward_logits(model, batch), batch)
+        logps, _ = token_logprobs(model, batch)
         loss = global_mean_share(-logps, n_tokens, 1)
         loss.backward()
         total += loss.item()

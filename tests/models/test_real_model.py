@@ -95,8 +95,8 @@ def test_rollout_keeps_the_eos_that_is_also_pad(smollm2):
 def test_dpo_data_scores_the_eos(smollm2):
     """preference_examples + scoring on a standard and a conversational pair: the EOS closing each completion is
     in the completion ids and scored; padding with the same id (padded layout) is not."""
-    from verl_kit.data import forward_logits, layout, preference_examples, sequence_logprobs
-    from verl_kit.train import completion_sequences
+    from verl_kit.data import layout, preference_examples
+    from verl_kit.train import completion_sequences, sequence_logprobs
 
     model, tok = smollm2
     eos = tok.eos_token_id
@@ -122,7 +122,7 @@ def test_dpo_data_scores_the_eos(smollm2):
             batch = layout(seqs, masks, tok.pad_token_id, packing=packing)
             assert batch.num_tokens == sum(map(len, seqs))
             assert int(batch.loss_mask.sum()) == sum(sum(m) for m in masks)
-            got = sequence_logprobs(forward_logits(model, batch), batch)
+            got = sequence_logprobs(model, batch)
             torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-4)
 
 

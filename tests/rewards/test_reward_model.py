@@ -44,7 +44,7 @@ def test_packed_rewards_equal_padded_and_hf_forward(tiny_model_path, tokenizer, 
     def rewards_and_grads(packing):
         rm.zero_grad()
         batch = layout(seqs, masks, pad, packing=packing, packing_length=96)
-        r = sequence_rewards(rm(batch.input_ids, batch.attention_mask, batch.position_ids), batch, pad)
+        r = sequence_rewards(rm(**batch.inputs()), batch, pad)
         bradley_terry_loss(r.view(-1, 2)[:, 0], r.view(-1, 2)[:, 1]).mean().backward()
         return batch, r.detach(), {n: p.grad.clone() for n, p in rm.named_parameters()}
 

@@ -1,5 +1,5 @@
 """Datasets in TRL's formats -> token ids: loading and bad-row errors, SFT formatting, packing (TokenBatch, packed or
-padded layout, token log-probs), the embedded tasks."""
+padded layout), the embedded tasks."""
 
 from verl_kit.data.datasets import (
     PreferenceExample,
@@ -13,16 +13,12 @@ from verl_kit.data.datasets import (
 )
 from verl_kit.data.packing import (
     TokenBatch,
-    block_causal_mask,
-    forward_logits,
     layout,
+    layout_cost,
     logprobs_from_logits,
     pack_balanced,
     pack_rows,
-    row_cost,
-    sequence_logprobs,
     split_by_tokens,
-    token_logprobs,
 )
 from verl_kit.data.sft import TINY_SFT, SFTExample, sft_examples, sft_format, truncate, write_sft_data
 from verl_kit.data.tasks import (

@@ -1,12 +1,14 @@
 """Lay variable-length sequences out in rows, packed (padding-free) or padded, and score them exactly.
 
-Packed rows hold several sequences back to back. Position ids restart at 0 for each sequence, and attention is kept
-inside each sequence by a block-diagonal causal mask (4D, additive, for sdpa/eager on CPU). With flash-attention the
-mask is dropped: transformers' varlen path reads sequence boundaries from the restarting position ids. On CPU,
-position ids alone separate sequences under sdpa only while no KV cache exists: transformers infers packed sequences
-from them only when both attention_mask and past_key_values are None, and a forward with use_cache on (the config
-default) makes a cache first, so the sequences attend to each other (measured on the tiny model: 0.85 in the logits
-against 4e-7 with use_cache=False). The explicit mask holds either way, which is why it is built there.
+Packed rows hold several sequences back to back, position ids restarting at 0 for each. Attention is kept inside each
+sequence in one of two ways. With `block_mask` (the kit's "sdpa", models.packed_attention) the batch carries the rows'
+Segments, which the model's attention reads from the forward's `segments` keyword: memory grows with the sequences,
+never as (L x L) per row, and a group's shared prompt can be laid out once. Without it, the position ids alone mark the
+sequences: flash-attention's varlen path reads them, and "sdpa"/"eager" models loaded outside the kit's loaders get
+transformers' own dense block mask built from them. Either way the forward must run without a KV cache: transformers
+infers packed sequences from position ids only when both attention_mask and past_key_values are None, and a forward
+with use_cache on (the config default) makes a cache first, so the sequences attend to each other (measured on the
+tiny model: 0.85 in the logits against 4e-7 with use_cache=False); TokenBatch.inputs() turns it off.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from verl_kit.models.packed_attention import SEGMENTS, Segments
 
 
 @dataclass
@@ -24,8 +28,8 @@ class TokenBatch:
     position_ids   (R, L) long   restart at 0 at each sequence start
     seq_ids        (R, L) long   index of the sequence a token belongs to, -1 for padding
     loss_mask      (R, L) bool   token is scored (a completion token)
-    attention_mask (R, L) long padding mask (padded layout), (R, 1, L, L) float additive mask (packed, sdpa),
-                   or None (packed, flash-attention varlen)
+    attention_mask (R, L) long   padding mask (padded layout), or None (packed)
+    segments       Segments      which tokens each sequence attends over (packed with the block mask), or None
     """
 
     input_ids: torch.Tensor
@@ -34,17 +38,25 @@ class TokenBatch:
     loss_mask: torch.Tensor
     attention_mask: torch.Tensor | None
     num_seqs: int
+    segments: Segments | None = None
 
     def to(self, device) -> TokenBatch:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return TokenBatch(move(self.input_ids), move(self.position_ids), move(self.seq_ids), move(self.loss_mask),
-                          move(self.attention_mask), self.num_seqs)
+                          move(self.attention_mask), self.num_seqs, move(self.segments))
 
     @property
     def scored(self) -> torch.Tensor:
         """(R, L-1) bool: position t predicts a scored token (loss_mask at t+1, same sequence). logits[:, :-1][scored]
         are the logits of the scored tokens input_ids[:, 1:][scored], in row-major order."""
         return self.loss_mask[:, 1:] & (self.seq_ids[:, 1:] == self.seq_ids[:, :-1])
+
+    def inputs(self) -> dict:
+        """The keyword arguments of a causal LM's (or its backbone's) forward on this batch: every model call on a
+        TokenBatch goes through here. No KV cache (see the module docstring); the segments, when there are any, for
+        the kit's attention (models.packed_attention)."""
+        return dict(input_ids=self.input_ids, attention_mask=self.attention_mask, position_ids=self.position_ids,
+                    use_cache=False, **({SEGMENTS: self.segments} if self.segments is not None else {}))
 
     @property
     def num_tokens(self) -> int:
@@ -86,30 +98,32 @@ def pack_balanced(lengths: list[int], row_len: int) -> list[list[int]]:
     return rows
 
 
-def row_cost(width: int, hidden_size: int) -> float:
-    """Relative compute of one row of `width` tokens under a dense mask: linear layers cost ~24 h^2 flops per token,
-    attention ~4 * width * h (every query against the whole row), so width * (1 + width / (6 h))."""
-    return width * (1.0 + width / (6.0 * hidden_size))
+def layout_cost(rows: int, width: int, spans: list[int], hidden_size: int | None) -> float:
+    """Relative compute of `rows` rows of `width` tokens whose attention runs over sequences (spans) of the given
+    lengths: linear layers cost ~24 h^2 flops per token slot, padding included, attention ~4 s^2 h per span of s
+    tokens, so rows * width + sum(s^2) / (6 h); the slots alone without `hidden_size`. A padded row is one span of its
+    full width (its padding masked, not skipped); a packed row's spans are its sequences (Segments)."""
+    return rows * width + (sum(s * s for s in spans) / (6.0 * hidden_size) if hidden_size else 0.0)
 
 
 def layout(seqs: list[list[int]], loss_masks: list[list[bool]], pad_id: int, packing: bool,
-           packing_length: int | None = None, block_mask: bool = True,
-           dtype: torch.dtype = torch.float32, hidden_size: int | None = None,
+           packing_length: int | None = None, block_mask: bool = True, hidden_size: int | None = None,
            shared_prefix: list[int] | None = None) -> TokenBatch:
     """Build a TokenBatch. `packing=False`: one sequence per row, right-padded to the longest.
     `packing=True`: sequences packed into rows of at most `packing_length` tokens (default: the longest sequence),
-    balanced (pack_balanced: no more rows than best-fit gives, padded to a width no larger than it must be);
-    `block_mask=False` leaves attention_mask None for the flash-attention varlen path.
-    With the block mask, attention runs over whole packed rows; given the model's `hidden_size`, sequences of
-    near-equal length (little padding to save) are padded instead when that costs less (see row_cost).
+    balanced (pack_balanced: no more rows than best-fit gives, padded to a width no larger than it must be).
+    `block_mask` (models.loading.uses_block_mask): the rows carry their Segments for the kit's attention; without it,
+    position ids alone mark the sequences (see the module docstring). With the block mask and the model's
+    `hidden_size`, sequences of near-equal length (little padding to save) are padded instead when that costs less
+    (layout_cost).
 
     `shared_prefix[i]` (with packing and the block mask): sequence i may share its first `shared_prefix[i]` tokens
     with the other sequences that start with the same tokens (a GRPO group's prompt). Such a group is laid out as one
     prefix segment followed by each sequence's remaining tokens, which attend to the prefix and to themselves, their
-    positions continuing after it: the prefix goes through the model once instead of once per sequence, with the
-    same result. A group is split into as many such units as a row needs; the shared layout is used when it costs
-    less than the plain one (row_cost, or total width without `hidden_size`). Prefix tokens are never scored, so the
-    shared length must end before the first scored token's predecessor (a prompt's length minus one)."""
+    positions continuing after it: the prefix goes through the model's linear layers once instead of once per
+    sequence, with the same result. A group is split into as many such units as a row needs; the shared layout is
+    used when it takes fewer token slots than the plain one. Prefix tokens are never scored, so the shared length
+    must end before the first scored token's predecessor (a prompt's length minus one)."""
     lengths = [len(s) for s in seqs]
     n = len(seqs)
     units = [(0, [i]) for i in range(n)]  # (shared prefix length, its sequences); 0: one whole sequence
@@ -117,29 +131,30 @@ def layout(seqs: list[list[int]], loss_masks: list[list[bool]], pad_id: int, pac
     width = max(lengths)
     if packing:
         row_len = max(packing_length or 0, max(lengths))
-        cost = lambda r, w: r * (row_cost(w, hidden_size) if hidden_size else w)  # noqa: E731
-        best = cost(n, width) if block_mask and hidden_size else float("inf")  # padded
+        best = layout_cost(n, width, [width] * n, hidden_size) if block_mask and hidden_size else float("inf")
         plans = [units]
         if shared_prefix and block_mask:  # never share a token that is scored or predicts one
             first = [next((t for t, m in enumerate(mask) if m), len(mask)) for mask in loss_masks]
             plans.append(share_units(seqs, [min(s, f - 1) for s, f in zip(shared_prefix, first)], row_len))
-        for plan in plans:
+        for plan in plans:  # every sequence still attends over all its tokens: the spans are the same in each plan
             sizes = [p + sum(lengths[i] - p for i in members) for p, members in plan]
             plan_rows = pack_balanced(sizes, row_len)
             plan_width = max(sum(sizes[u] for u in r) for r in plan_rows)
-            if cost(len(plan_rows), plan_width) < best:
-                best, units, rows, width = cost(len(plan_rows), plan_width), plan, plan_rows, plan_width
+            cost = layout_cost(len(plan_rows), plan_width, lengths, hidden_size)
+            if cost < best:
+                best, units, rows, width = cost, plan, plan_rows, plan_width
         packing = len(rows) < n or any(p for p, _ in units) or not (block_mask and hidden_size)
     R = len(rows)
     input_ids = torch.full((R, width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((R, width), dtype=torch.long)
     seq_ids = torch.full((R, width), -1, dtype=torch.long)
     loss_mask = torch.zeros((R, width), dtype=torch.bool)
-    parent = torch.full((n + len(units),), -1, dtype=torch.long)  # a sequence's prefix segment (id n + unit)
+    spans = []  # per sequence: (row-major indices of the tokens it attends over, first of its own), for Segments
     for r, row in enumerate(rows):
         at = 0
         for u in row:
             p, members = units[u]
+            prefix = list(range(r * width + at, r * width + at + p))
             pieces = [(n + u, seqs[members[0]][:p], [False] * p, 0)] if p else []
             pieces += [(i, seqs[i][p:], loss_masks[i][p:], p) for i in members]
             for sid, ids, mask, start in pieces:
@@ -148,15 +163,14 @@ def layout(seqs: list[list[int]], loss_masks: list[list[bool]], pad_id: int, pac
                 position_ids[r, at:at + k] = torch.arange(start, start + k)
                 seq_ids[r, at:at + k] = sid
                 loss_mask[r, at:at + k] = torch.tensor(mask, dtype=torch.bool)
-                parent[sid] = n + u if p and sid < n else -1
+                if sid < n:  # the first member, right after the prefix, also owns the prefix's tokens
+                    own = list(range(r * width + at, r * width + at + k))
+                    spans.append((prefix + own, 0 if sid == members[0] else p))
                 at += k
     if not packing:
-        attention_mask = (seq_ids >= 0).long()
-    elif block_mask:
-        attention_mask = block_causal_mask(seq_ids, dtype, parent if any(p for p, _ in units) else None)
-    else:
-        attention_mask = None
-    return TokenBatch(input_ids, position_ids, seq_ids, loss_mask, attention_mask, n)
+        return TokenBatch(input_ids, position_ids, seq_ids, loss_mask, (seq_ids >= 0).long(), n)
+    segments = Segments.build(spans, R * width) if block_mask else None
+    return TokenBatch(input_ids, position_ids, seq_ids, loss_mask, None, n, segments)
 
 
 def share_units(seqs: list[list[int]], shared_prefix: list[int], row_len: int) -> list[tuple[int, list[int]]]:
@@ -180,47 +194,10 @@ def share_units(seqs: list[list[int]], shared_prefix: list[int], row_len: int) -
     return units
 
 
-def block_causal_mask(seq_ids: torch.Tensor, dtype: torch.dtype = torch.float32,
-                      parent: torch.Tensor | None = None) -> torch.Tensor:
-    """(R, L) sequence ids -> (R, 1, L, L) additive mask: 0 where query i may see key j (same sequence, j <= i),
-    the dtype's minimum elsewhere. A padding position sees only itself, so no softmax row is empty. `parent`
-    (segment id -> id of the shared prefix segment it continues, or -1): a sequence also sees its prefix."""
-    R, L = seq_ids.shape
-    same = seq_ids[:, :, None] == seq_ids[:, None, :]
-    if parent is not None:
-        up = torch.where(seq_ids >= 0, parent[seq_ids.clamp(min=0)], -2)
-        same |= (up[:, :, None] == seq_ids[:, None, :]) & (seq_ids[:, None, :] >= 0)
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
-    allowed = (same & causal) | torch.eye(L, dtype=torch.bool)
-    mask = torch.zeros(R, 1, L, L, dtype=dtype)
-    return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-
-
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[target] in fp32: logits (M, V), targets (M,) -> (M,)."""
     logits = logits.float()
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
-
-
-def token_logprobs(logits: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probabilities of the scored tokens. logits (R, L, V) -> (logps (M,), seq_index (M,)) for the M scored
-    tokens, each predicted from the previous position of the same sequence. Only the scored positions reach the
-    vocabulary-wide logsumexp."""
-    scored = batch.scored
-    logps = logprobs_from_logits(logits[:, :-1][scored], batch.input_ids[:, 1:][scored])
-    return logps, batch.seq_ids[:, 1:][scored]
-
-
-def sequence_logprobs(logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
-    """Sum of scored-token log-probabilities per sequence: logits (R, L, V) -> (N,)."""
-    logps, index = token_logprobs(logits, batch)
-    return torch.zeros(batch.num_seqs, dtype=logps.dtype, device=logps.device).index_add(0, index, logps)
-
-
-def forward_logits(model, batch: TokenBatch) -> torch.Tensor:
-    """Run a causal LM on a TokenBatch; returns logits (R, L, V)."""
-    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                 position_ids=batch.position_ids, use_cache=False).logits
 
 
 def split_by_tokens(costs: list[int], budget: int | None, n_chunks: int | None = None) -> list[list[int]]:

@@ -1,5 +1,5 @@
-"""Model loading and export, LoRA through peft, ZeRO-3 context managers, the embedded tiny model and the packaged
-real model (smollm2-135m)."""
+"""Model loading and export, the attention that packed rows run with (packed_attention), LoRA through peft, ZeRO-3
+context managers, the embedded tiny model and the packaged real model (smollm2-135m)."""
 
 from verl_kit.models.loading import (
     cache_dir,
@@ -10,6 +10,7 @@ from verl_kit.models.loading import (
     load_policy,
     load_tokenizer,
     quantized,
+    resolve_attn_implementation,
     resolve_model_path,
     uses_block_mask,
 )

@@ -15,6 +15,7 @@ import torch
 from verl_kit.durable import replace_dir, write_failure
 from verl_kit.errors import UserError
 from verl_kit.models.lora import export_adapter, peft_model, with_lora
+from verl_kit.models.packed_attention import SEGMENT_ATTENTION, implementation
 from verl_kit.models.real_model import SMOLLM2_DIR_NAME, SMOLLM2_NAME, check_gguf, smollm2_gguf_path
 from verl_kit.models.tiny import TINY_MODEL_NAME
 
@@ -79,6 +80,13 @@ def default_attn_implementation() -> str:
     return "sdpa"
 
 
+def resolve_attn_implementation(name: str | None) -> str:
+    """The attn_implementation the kit loads a model with for --attn_implementation `name` (None: the default):
+    "sdpa" becomes the kit's segment attention (models.packed_attention: "sdpa" but for packed rows, whose memory then
+    grows with their sequences, not as L^2 per row); the others are transformers' own."""
+    return implementation(name or default_attn_implementation())
+
+
 @contextlib.contextmanager
 def quiet_load():
     """transformers' load report off for the block (errors still shown): loading an LM checkpoint into another head
@@ -141,7 +149,7 @@ def load_causal_lm(path: str, attn_implementation: str | None = None, gradient_c
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation or default_attn_implementation(),
+        path, dtype=torch.float32, attn_implementation=resolve_attn_implementation(attn_implementation),
         **quantized(load_in_4bit))
     model.config.use_cache = False
     if gradient_checkpointing:
@@ -163,8 +171,10 @@ def quantized(load_in_4bit: bool) -> dict:
 
 
 def uses_block_mask(model) -> bool:
-    """Packed rows need an explicit block-diagonal mask unless flash-attention's varlen path reads position ids."""
-    return getattr(model.config, "_attn_implementation", "sdpa") != "flash_attention_2"
+    """Whether packed rows for `model` carry their Segments (layout's `block_mask`): for the kit's segment attention.
+    Other implementations read the sequences from the position ids (flash-attention's varlen path; "sdpa" or "eager"
+    get a dense block mask that transformers builds from them)."""
+    return getattr(model.config, "_attn_implementation", None) == SEGMENT_ATTENTION
 
 
 def export_hf(accelerator, model, tokenizer, out_dir: str) -> None:

@@ -137,6 +137,10 @@ class _WithoutAdapter(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return peft_model(self.model).get_output_embeddings()
 
+    @property
+    def config(self):
+        return peft_model(self.model).config
+
 
 def reference(model: nn.Module) -> nn.Module:
     """The reference model of a LoRA policy (placed: the DeepSpeed/DDP engine or module): the same weights with the

@@ -11,7 +11,7 @@ from transformers import AutoModelForSequenceClassification
 from verl_kit.config import TrainConfig
 from verl_kit.data.packing import TokenBatch
 from verl_kit.errors import UserError
-from verl_kit.models.loading import default_attn_implementation, quantized, quiet_load
+from verl_kit.models.loading import quantized, quiet_load, resolve_attn_implementation
 from verl_kit.train.scoring import score_items
 
 
@@ -61,13 +61,14 @@ class TokenRewardModel(nn.Module):
     def config(self):
         return self.classifier.config
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, **kwargs) -> torch.Tensor:
+        """input_ids (R, L) -> rewards (R, L) fp32; `kwargs`: the rest of TokenBatch.inputs() (attention_mask,
+        position_ids, the packed segments), passed on to the backbone, without a KV cache."""
         from peft import PeftModel  # optional heavy dependency: imported where used, as in models.lora
 
         # with --use_peft the classifier is a PeftModel: its HF model's layers carry the adapter, `score` is trained
         hf = self.classifier.get_base_model() if isinstance(self.classifier, PeftModel) else self.classifier
-        hidden = hf.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state
+        hidden = hf.base_model(input_ids=input_ids, **{**kwargs, "use_cache": False}).last_hidden_state
         return hf.score(hidden).squeeze(-1).float()
 
     def save_pretrained(self, path: str, state_dict: dict | None = None, **kwargs) -> None:
@@ -83,7 +84,7 @@ def load_reward_classifier(path: str, pad_id: int, attn_implementation: str | No
     with quiet_load():  # the load report lists the dropped lm_head and the new score head
         model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=torch.float32,
-            attn_implementation=attn_implementation or default_attn_implementation(), **quantized(load_in_4bit))
+            attn_implementation=resolve_attn_implementation(attn_implementation), **quantized(load_in_4bit))
     model.config.pad_token_id = pad_id
     model.config.use_cache = False
     if gradient_checkpointing:
@@ -96,4 +97,4 @@ def score_rewards(accelerator, model, items: list, cfg: TrainConfig, pad_id: int
     """Rewards of every sequence of every item (scoring.Sequences): (n_items, k), on CPU, identical on all ranks,
     sharded in lockstep as scoring.score_items is."""
     return score_items(accelerator, model, items, cfg, pad_id, block_mask, desc, score_batch=lambda m, b: (
-        sequence_rewards(m(b.input_ids, b.attention_mask, b.position_ids), b, pad_id)))
+        sequence_rewards(m(**b.inputs()), b, pad_id)))

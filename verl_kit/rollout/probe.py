@@ -7,7 +7,9 @@ import math
 
 import torch
 
+from verl_kit.data.packing import layout
 from verl_kit.train.distributed import reduce_metrics
+from verl_kit.train.lm_head import token_logprobs
 
 
 @torch.no_grad()
@@ -16,15 +18,10 @@ def trainer_logprobs(model, seqs: list[list[int]], device="cpu") -> list[torch.T
     (len(seq) - 1,) float32 CPU tensors. Collective under ZeRO-3 (every process runs the same forward)."""
     was_training = model.training
     model.eval()
-    L = max(len(s) for s in seqs)
-    ids = torch.zeros((len(seqs), L), dtype=torch.long)
-    att = torch.zeros((len(seqs), L), dtype=torch.long)
-    for i, s in enumerate(seqs):  # right padding: positions are 0.. for every row
-        ids[i, :len(s)], att[i, :len(s)] = torch.tensor(s), 1
-    logits = model(input_ids=ids.to(device), attention_mask=att.to(device)).logits.float()
-    lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:].to(device)[..., None]).squeeze(-1).cpu()
+    batch = layout(seqs, [[True] * len(s) for s in seqs], pad_id=0, packing=False)  # one right-padded row each
+    lp = token_logprobs(model, batch.to(device))[0].float().cpu()  # row-major: seq 0's tokens, then seq 1's, ...
     model.train(was_training)
-    return [lp[i, :len(s) - 1] for i, s in enumerate(seqs)]
+    return list(lp.split([len(s) - 1 for s in seqs]))
 
 
 def max_abs_diff(engine: list[torch.Tensor], trainer: list[torch.Tensor]) -> float:

@@ -43,6 +43,16 @@ from verl_kit.train.distributed import (
     updates,
     zero_stage,
 )
+from verl_kit.train.lm_head import (
+    CHUNK_SIZE,
+    chunkable,
+    chunked_logprobs,
+    full_logprobs,
+    head_divergence,
+    head_logprobs,
+    sequence_logprobs,
+    token_logprobs,
+)
 from verl_kit.train.output_dir import STATE_FILE, check_output_dir, list_checkpoints
 from verl_kit.train.preemption import STOP, StopSignal
 from verl_kit.train.scoring import Sequences, completion_sequences, make_batch, score_items, score_subset

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from verl_kit.config import TrainConfig
-from verl_kit.data.packing import TokenBatch, layout, logprobs_from_logits
-from verl_kit.models.loading import quiet_load, uses_block_mask
+from verl_kit.data.packing import TokenBatch, layout
+from verl_kit.models.loading import quiet_load, resolve_attn_implementation, uses_block_mask
+from verl_kit.train.lm_head import head_divergence, head_logprobs, scored_logits
 
 
 class CriticModel(nn.Module):
@@ -32,11 +32,13 @@ class CriticModel(nn.Module):
         self.backbone, self.value_head = backbone, value_head
 
     @classmethod
-    def from_pretrained(cls, path: str, init: str, attn_implementation: str, gradient_checkpointing: bool):
+    def from_pretrained(cls, path: str, init: str, attn_implementation: str | None, gradient_checkpointing: bool):
         """init='policy': the policy's backbone (AutoModel drops the LM head) and a zero value head, so every value
-        starts at 0. init='reward': a sequence-classification reward model's backbone and its score head."""
+        starts at 0. init='reward': a sequence-classification reward model's backbone and its score head.
+        `attn_implementation` as the kit resolves it (models.loading.resolve_attn_implementation)."""
         from transformers import AutoModel, AutoModelForSequenceClassification
 
+        attn_implementation = resolve_attn_implementation(attn_implementation)
         if init == "policy":
             with quiet_load():  # the load report would flag the dropped lm_head as "UNEXPECTED"
                 backbone = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
@@ -54,9 +56,10 @@ class CriticModel(nn.Module):
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return cls(backbone, head)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state
+    def forward(self, input_ids, **kwargs) -> torch.Tensor:
+        """input_ids (R, L) -> values (R, L) fp32; `kwargs`: the rest of TokenBatch.inputs() (attention_mask,
+        position_ids, the packed segments), passed on to the backbone, without a KV cache."""
+        hidden = self.backbone(input_ids=input_ids, **{**kwargs, "use_cache": False}).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
 
@@ -108,21 +111,14 @@ def actor_logits(model, batch: TokenBatch, index: ResponseIndex, temperature: fl
     """Logits (M, V) of the response tokens, divided by the sampling temperature so that log-probs are those of
     the distribution the tokens were sampled from. The LM head runs on the M positions that predict a response
     token only, not on prompt, environment or padding positions (a hook on the output layer selects them first;
-    the full (R, L, V) logits are what a 49k vocabulary makes the largest tensor of a step)."""
-    head = extract_model_from_parallel(model).get_output_embeddings()
-    scored = index.scored.to(batch.input_ids.device)
-    hook = head.register_forward_pre_hook(lambda _, args: (args[0][:, :-1][scored][None], *args[1:]))
-    try:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                       position_ids=batch.position_ids, use_cache=False).logits
-    finally:
-        hook.remove()
-    return logits[0].float() / temperature
+    the full (R, L, V) logits are what a 49k vocabulary makes the largest tensor of a step). Whole logits only for a
+    loss that needs them: log-probs and entropy go through lm_head.head_logprobs, in chunks."""
+    return scored_logits(model, batch.inputs(), index.scored.to(batch.input_ids.device)) / temperature
 
 
 def critic_values(critic, batch: TokenBatch, index: ResponseIndex) -> torch.Tensor:
     """V(s_t) (M,) for each response token t, read at the position that predicts it (the state before the token)."""
-    values = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+    values = critic(**batch.inputs())
     return values[:, :-1][index.scored]
 
 
@@ -141,19 +137,30 @@ class ResponsePacker:
                               rollout.env_mask)
 
     def forward(self, model, rollout, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor, ResponseIndex]:
-        """`model`'s logits (M, V) and log-probs (M,) at the sampling temperature of the response tokens of rollout
-        `rows` (one micro-batch), and where each token comes from. A frozen model's (a teacher's) build no graph."""
+        """`model`'s log-probs (M,) and entropy (M,) at the sampling temperature of the response tokens of rollout
+        `rows` (one micro-batch), and where each token comes from; through the LM head in chunks (lm_head), never the
+        (M, V) logits. A frozen model's (a teacher's) build no graph."""
         batch, index = self(rollout, rows)
         trained = any(p.requires_grad for p in model.parameters())
         with torch.set_grad_enabled(torch.is_grad_enabled() and trained):
-            logits = actor_logits(model, batch.to(device), index, self.temperature)
-            return logits, logprobs_from_logits(logits, index.targets.to(device)), index
+            batch = batch.to(device)
+            logprobs, entropy = head_logprobs(model, batch.inputs(), index.scored, index.targets, self.temperature)
+            return logprobs, entropy, index
+
+    def divergence(self, model, teacher, rollout, rows: list[int], device, beta: float) -> tuple[torch.Tensor, ...]:
+        """Distillation's scores of the response tokens of rollout `rows` at the sampling temperature, through both
+        LM heads in chunks (lm_head.head_divergence): the student `model`'s log-probs, entropy and generalized JSD
+        from the frozen `teacher` (algos.generalized_jsd, `beta`), the teacher's log-probs, each (M,), and where each
+        token comes from."""
+        batch, index = self(rollout, rows)
+        batch = batch.to(device)
+        return (*head_divergence(model, teacher, batch.inputs(), index.scored, index.targets, self.temperature, beta),
+                index)
 
     def logprobs(self, model, rollout, chunks: list[list[int]], device) -> torch.Tensor:
         """(B, R) log-probs of every response token under `model` at the sampling temperature."""
-        return self.per_token(lambda batch, ix: logprobs_from_logits(actor_logits(model, batch, ix,
-                                                                                  self.temperature), ix.targets),
-                              rollout, chunks, device)
+        return self.per_token(lambda b, ix: head_logprobs(model, b.inputs(), ix.scored, ix.targets,
+                                                          self.temperature)[0], rollout, chunks, device)
 
     @torch.no_grad()
     def per_token(self, fn: Callable[[TokenBatch, ResponseIndex], torch.Tensor], rollout, chunks: list[list[int]],

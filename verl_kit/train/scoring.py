@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from verl_kit.config import TrainConfig
-from verl_kit.data.packing import TokenBatch, forward_logits, layout, sequence_logprobs
+from verl_kit.data.packing import TokenBatch, layout
 from verl_kit.metrics import progress
 from verl_kit.train.distributed import all_gather, shard, unshard
+from verl_kit.train.lm_head import sequence_logprobs
 
 Sequences = tuple[list[list[int]], list[list[bool]]]  # token ids and loss masks of an example's k sequences
 
@@ -42,7 +43,7 @@ def score_items(accelerator, model, items: list[Sequences], cfg: TrainConfig, pa
     """A score per sequence of every item: (n_items, k), on CPU, identical on all ranks. The score is
     `score_batch(model, batch) -> (N,)`, by default the summed completion log-probs. Every rank scores ceil(n/world)
     items in the same number of forward passes (ZeRO-3 needs lockstep); progress is shown as `desc`."""
-    score_batch = score_batch or (lambda m, b: sequence_logprobs(forward_logits(m, b), b))
+    score_batch = score_batch or sequence_logprobs
     was_training = model.training
     model.eval()
     mine = shard(len(items), accelerator.process_index, accelerator.num_processes)
