@@ -104,7 +104,8 @@ def main():
     prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
-    actor = train.Trainable(accelerator, models.load_policy(model_path, cfg.train), cfg.train, cfg.train.learning_rate,
+    policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
+    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate,
                             total_steps)  # the student
     # frozen, ZeRO-3 sharded like a reference; its tokenizer checked to be the student's (one line otherwise)
     teacher = train.load_teacher(accelerator, dist.teacher_model_name_or_path, tokenizer, attn)
@@ -138,6 +139,7 @@ def main():
         log.log(0, evaluate())
 
     # ---- training loop -------------------------------------------------------------------------------------------
+    actor.model.train()  # for gradient checkpointing (evaluation and the probe put it back after their eval mode)
     for step in range(start, total_steps):
         timer, t_step = Timer(), time.time()
         # 1. rollout: the student's samples (any backend; with --async_rollout generated during the last update)

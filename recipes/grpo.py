@@ -113,7 +113,8 @@ def main():
     prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
-    actor = train.Trainable(accelerator, models.load_policy(model_path, cfg.train), cfg.train, cfg.train.learning_rate,
+    policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
+    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate,
                             total_steps)
     # the initial policy; with --use_peft the actor itself with its adapter disabled (no second copy of the weights)
     ref = None if grpo.beta == 0 else models.reference(actor.model) if cfg.train.use_peft else \
@@ -140,6 +141,7 @@ def main():
         log.log(0, evaluate())
 
     # ---- training loop -------------------------------------------------------------------------------------------
+    actor.model.train()  # for gradient checkpointing (evaluation and the probe put it back after their eval mode)
     for step in range(start, total_steps):
         timer, t_step = Timer(), time.time()
         # 1. rollout: num_generations responses per prompt, a prompt's group on one process

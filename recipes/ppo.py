@@ -80,13 +80,15 @@ def main():
     prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn, checkpointing = cfg.train.attn_implementation, cfg.train.gradient_checkpointing
-    actor = train.Trainable(accelerator, models.load_policy(model_path, cfg.train), cfg.train, cfg.train.learning_rate,
+    policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
+    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate,
                             total_steps)
     critic_path = (model_path if ppo.critic_init == "policy"
                    else models.resolve_model_path(cfg.rewards.reward_model_name_or_path))
     critic_model = train.CriticModel.from_pretrained(critic_path, ppo.critic_init, attn, checkpointing)
     critic_model.backbone = models.with_lora(critic_model.backbone, cfg.train, task_type=None)  # its own adapter
-    critic = train.Trainable(accelerator, critic_model, cfg.train, ppo.critic_learning_rate, total_steps)
+    critic = train.Trainable(accelerator, models.without_dropout(critic_model), cfg.train, ppo.critic_learning_rate,
+                             total_steps)
     # the initial policy; with --use_peft the actor itself with its adapter disabled (no second copy of the weights)
     ref = (models.reference(actor.model) if cfg.train.use_peft
            else train.frozen(accelerator, lambda: models.load_causal_lm(model_path, attn)))
@@ -112,6 +114,8 @@ def main():
         log.log(0, evaluate())
 
     # ---- training loop -------------------------------------------------------------------------------------------
+    actor.model.train()  # for gradient checkpointing (evaluation and the probe put it back after their eval mode)
+    critic.model.train()
     for step in range(start, total_steps):
         timer, t_step = Timer(), time.time()
         # 1. rollout

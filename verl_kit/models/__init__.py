@@ -13,6 +13,7 @@ from verl_kit.models.loading import (
     resolve_attn_implementation,
     resolve_model_path,
     uses_block_mask,
+    without_dropout,
 )
 from verl_kit.models.lora import (
     ADAPTER,

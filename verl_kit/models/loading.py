@@ -142,6 +142,20 @@ def load_policy(path: str, cfg) -> torch.nn.Module:
                                     getattr(cfg, "load_in_4bit", False)), cfg)
 
 
+def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every dropout off (nn.Dropout, LoRA's included, to p=0; attention modules' attention_dropout to
+    0), returned: the online recipes' policy and critic. Their ratios compare log-probs of two forwards of one
+    function (old and new policy, engine and trainer), which dropout would make two random functions; they train in
+    training mode only so that gradient checkpointing runs (transformers checkpoints in training mode alone). TRL's
+    disable_dropout, always on here, as in verl."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model
+
+
 def load_causal_lm(path: str, attn_implementation: str | None = None, gradient_checkpointing: bool = False,
                    load_in_4bit: bool = False):
     """fp32 weights (DeepSpeed/autocast handle bf16 on GPU); gradient checkpointing without reentrancy.
