@@ -16,6 +16,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -140,6 +141,51 @@ def run(cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = Non
     if proc.returncode != 0:
         raise RuntimeError(f"exit code {proc.returncode}: {' '.join(cmd)} (log: {log_path})")
     return time.time() - t0
+
+
+def run_peak(cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = None, prefix: str = "",
+             on_line=None, min_available_bytes: int = 2 * 2**30) -> dict:
+    """As `run`, and the command's peak resident memory: {"wall_s", "peak_rss_bytes"}, the latter wait4's
+    ru_maxrss (the largest resident set the process reached, or any descendant of it that it waited for), read when
+    the process is reaped, so nothing after its last output line is missed. On a shared machine the child's process
+    group is killed (RuntimeError) as soon as the machine's MemAvailable falls below `min_available_bytes` (polled
+    every 50 ms), before the kernel's OOM killer would pick some process, perhaps another job's."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0, low = time.time(), []
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                env=env or bench_env(), start_new_session=True)
+        done = threading.Event()
+
+        def guard() -> None:
+            while not done.wait(0.05):
+                if available_bytes() < min_available_bytes or time.time() - t0 > timeout_s:
+                    low.append(available_bytes())
+                    os.killpg(proc.pid, 9)
+                    return
+
+        threading.Thread(target=guard, daemon=True).start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if on_line is not None:
+                    on_line(line, proc.pid)
+                print(prefix + line, end="", flush=True)
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            done.set()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        why = (f"killed: the machine's available memory fell to {low[0] / 2**30:.1f} GiB" if low and
+               low[0] < min_available_bytes else "timed out" if low else f"exit code {proc.returncode}")
+        raise RuntimeError(f"{why} after {time.time() - t0:.0f}s: {' '.join(cmd)} (log: {log_path})")
+    return {"wall_s": time.time() - t0, "peak_rss_bytes": usage.ru_maxrss * 1024}
+
+
+def available_bytes() -> int:
+    """The machine's MemAvailable (/proc/meminfo)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
 def process_cpu_s(pid: int) -> float:

@@ -1,6 +1,7 @@
 """verl_kit.train.lm_head: log-probs and entropy through the LM head in tiles equal those of the whole logits, by hand
 and on the tiny model (untied, tied, LoRA, packed with a shared group prompt), in values and gradients, whatever the
-tiling: token tiles that split a sequence, tiles of one token, vocabulary chunks of one column."""
+tiling: token tiles that split a sequence, tiles of one token, vocabulary chunks of one column; in bf16 within its
+rounding."""
 
 import pytest
 import torch
@@ -61,6 +62,28 @@ def test_chunked_equals_full_values_and_gradients(monkeypatch, tokens, chunk, bi
         results.append([lp.detach(), ent.detach()] + [x.grad for x in leaves])
     for got, want in zip(*results):
         assert rel_err(got, want) < TOL
+
+
+def test_bf16_equals_the_whole_bf16_logits():
+    """bf16 hidden states and head (--bf16): the tiles' log-probs, entropy and gradients equal those through the
+    whole bf16 logits (the path before lm_head.py, which cast the logits to fp32 before the softmax) within bf16's
+    rounding, and both stay as close to the fp32 values as each other. 300 tokens, hidden 64, vocabulary 5,000."""
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(300, 64, generator=g), torch.randn(5000, 64, generator=g) * 0.1
+    targets, a = torch.randint(0, 5000, (300,), generator=g), torch.randn(300, generator=g)
+    fp32 = full_logprobs(h @ w.T, targets)
+    results = []
+    for chunked in (True, False):
+        hb, wb = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+        lp, ent = (chunked_logprobs(hb, wb, None, targets, 1.0, 1024) if chunked else
+                   full_logprobs((hb @ wb.T).float(), targets))
+        (a * lp).sum().backward()
+        results.append((lp.detach(), ent.detach(), hb.grad.float(), wb.grad.float()))
+        assert lp.dtype == ent.dtype == torch.float32
+        for got, want in zip((lp, ent), fp32):  # bf16 inputs: 8 bits of mantissa, logits of size ~3
+            assert float((got.detach() - want).abs().max()) < 0.02
+    for got, want in zip(*results):
+        assert rel_err(got, want) < 1e-2
 
 
 def _model(path, lora=False):
