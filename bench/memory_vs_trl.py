@@ -185,54 +185,48 @@ def update(tag: str, model: str, mode: str, groups: int, size: int, length: int,
            chunk_size: int | None = None) -> dict:
     """One update-worker process: its figures and peak RSS (GiB), or the error when it failed (e.g. killed for
     memory)."""
-    out = OUT / f"{tag}.json"
-    cmd = [h.PYTHON, str(h.BENCH / "memory_vs_trl.py"), "update-worker", "--model", model, "--out", str(out),
-           "--mode", mode, "--groups", str(groups), "--size", str(size), "--length", str(length),
-           "--gradient_checkpointing", str(gc).lower()] + (["--chunk_size", str(chunk_size)] if chunk_size else [])
-    try:
-        run = h.run_peak(cmd, OUT / "logs" / f"{tag}.log", timeout, prefix=f"[{tag}] ")
-    except RuntimeError as e:
-        print(f"FAILED {tag}: {e}", flush=True)
-        return {"error": str(e)}
-    res = {**json.loads(out.read_text()), **run, "peak_gib": run["peak_rss_bytes"] / GIB}
-    print(f"{tag}: peak RSS {res['peak_gib']:.2f} GiB (before the update {res['rss_before_gib']:.2f}), update "
-          f"{res['update_cpu_s']:.1f} CPU-s ({res['update_s']:.1f} s wall), {res['tokens']} response tokens",
-          flush=True)
+    res = child(tag, "update-worker", ["--model", model, "--mode", mode, "--groups", str(groups), "--size", str(size),
+                                       "--length", str(length), "--gradient_checkpointing", str(gc).lower()]
+                + (["--chunk_size", str(chunk_size)] if chunk_size else []), timeout)
+    if "error" not in res:
+        print(f"{tag}: peak RSS {res['peak_gib']:.2f} GiB (before the update {res['rss_before_gib']:.2f}), update "
+              f"{res['update_cpu_s']:.1f} CPU-s ({res['update_s']:.1f} s wall), {res['tokens']} response tokens",
+              flush=True)
     return res
 
 
 def head(model: str, chunk_size: int, timeout: float) -> dict:
     """One head-worker process (chunk_size 0: the whole logits): CPU seconds and peak RSS above the loaded model."""
     tag = f"head-{chunk_size or 'full'}"
-    out = OUT / f"{tag}.json"
-    cmd = [h.PYTHON, str(h.BENCH / "memory_vs_trl.py"), "head-worker", "--model", model, "--out", str(out),
-           "--chunk_size", str(chunk_size)]
-    try:
-        run = h.run_peak(cmd, OUT / "logs" / f"{tag}.log", timeout, prefix=f"[{tag}] ")
-    except RuntimeError as e:
-        print(f"FAILED {tag}: {e}", flush=True)
-        return {"error": str(e)}
-    res = json.loads(out.read_text())
-    res.update(run, peak_gib=run["peak_rss_bytes"] / GIB, extra_gib=(run["peak_rss_bytes"] - res["rss_before"]) / GIB)
-    print(f"{tag}: {res['cpu_s']:.1f} CPU-s, peak RSS {res['peak_gib']:.2f} GiB ({res['extra_gib']:.2f} above the "
-          "loaded model)", flush=True)
+    res = child(tag, "head-worker", ["--model", model, "--chunk_size", str(chunk_size)], timeout)
+    if "error" not in res:
+        print(f"{tag}: {res['cpu_s']:.1f} CPU-s, peak RSS {res['peak_gib']:.2f} GiB ({res['extra_gib']:.2f} above "
+              "the loaded model)", flush=True)
     return res
 
 
 def attention(mode: str, length: int, timeout: float) -> dict:
     """One attention-worker process: peak RSS above the loaded model (GiB) and CPU seconds."""
     tag = f"attention-{mode}-{length}"
+    res = child(tag, "attention-worker", ["--mode", mode, "--length", str(length)], timeout)
+    if "error" not in res:
+        print(f"{tag}: {res['cpu_s']:.1f} CPU-s, {res['extra_gib']:.2f} GiB above the loaded model", flush=True)
+    return res
+
+
+def child(tag: str, worker: str, args: list[str], timeout: float) -> dict:
+    """Run this script's `worker` with `args` and `--out`: the JSON it wrote and its peak RSS (peak_gib; extra_gib
+    above its `rss_before` when it wrote one), or {"error"} when it failed (e.g. killed for memory)."""
     out = OUT / f"{tag}.json"
-    cmd = [h.PYTHON, str(h.BENCH / "memory_vs_trl.py"), "attention-worker", "--out", str(out), "--mode", mode,
-           "--length", str(length)]
+    cmd = [h.PYTHON, str(h.BENCH / "memory_vs_trl.py"), worker, "--out", str(out), *args]
     try:
         run = h.run_peak(cmd, OUT / "logs" / f"{tag}.log", timeout, prefix=f"[{tag}] ")
     except RuntimeError as e:
         print(f"FAILED {tag}: {e}", flush=True)
         return {"error": str(e)}
-    res = json.loads(out.read_text())
-    res.update(run, extra_gib=(run["peak_rss_bytes"] - res["rss_before"]) / GIB)
-    print(f"{tag}: {res['cpu_s']:.1f} CPU-s, {res['extra_gib']:.2f} GiB above the loaded model", flush=True)
+    res = {**json.loads(out.read_text()), **run, "peak_gib": run["peak_rss_bytes"] / GIB}
+    if "rss_before" in res:
+        res["extra_gib"] = (run["peak_rss_bytes"] - res["rss_before"]) / GIB
     return res
 
 
