@@ -87,7 +87,7 @@ def main():
 
     # ---- data and models -----------------------------------------------------------------------------------------
     model_path = models.resolve_model_path(tc.model_name_or_path)
-    tokenizer = models.load_tokenizer(model_path)
+    tokenizer = models.load_tokenizer(model_path, cfg.train.chat_template_kwargs)
     pad = tokenizer.pad_token_id
     train_ds, test_ds = data.load_splits(tc)
     pairs = data.preference_examples(train_ds, tokenizer, tc.max_prompt_length, tc.max_length, tc.dataset_name)

@@ -73,7 +73,7 @@ def main():
 
     # ---- data and models -----------------------------------------------------------------------------------------
     model_path = models.resolve_model_path(tc.model_name_or_path)
-    tokenizer = models.load_tokenizer(model_path)
+    tokenizer = models.load_tokenizer(model_path, cfg.train.chat_template_kwargs)
     pad = tokenizer.pad_token_id
     load = lambda ds, source: data.unpaired_examples(ds, tokenizer, tc.max_prompt_length, tc.max_length, source,
                                                      kto.unpair_preference_dataset)

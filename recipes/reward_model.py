@@ -44,7 +44,7 @@ def main():
 
     # ---- data and model ------------------------------------------------------------------------------------------
     model_path = models.resolve_model_path(tc.model_name_or_path)
-    tokenizer = models.load_tokenizer(model_path)
+    tokenizer = models.load_tokenizer(model_path, cfg.train.chat_template_kwargs)
     pad = tokenizer.pad_token_id
     train_ds, test_ds = data.load_splits(tc)
     test_source = f"{tc.dataset_name}[{tc.dataset_test_split}]"

@@ -9,6 +9,7 @@ needs, never the whole config."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -91,10 +92,13 @@ class TrainConfig(Config):
     seed: int = field(default=42, metadata={"help": "seed for init, data order and sampling"})
     max_length: int = field(default=512, metadata={"help": "max tokens of prompt + completion"})
     max_prompt_length: int = field(default=256, metadata={"help": "prompts longer than this keep their last tokens"})
+    chat_template_kwargs: dict | str | None = field(default=None, metadata={
+        "help": "keyword arguments of every chat-template rendering (data, prompts, episodes, evaluation), a JSON "
+                "object, e.g. '{\"enable_thinking\": false}'"})
     packing: bool = field(default=True, metadata={"help": "pack sequences padding-free into rows"})
     packing_length: int = field(default=512, metadata={
-        "help": "tokens per packed row; on CPU (dense block mask) attention cost grows with it, so keep it near "
-                "max_length; with flash-attention varlen on GPU longer rows are free"})
+        "help": "tokens per packed row; attention runs per sequence within a row (sdpa, flash_attention_2), so a "
+                "longer row costs its tokens, not their square (docs/memory.md)"})
     max_tokens_per_microbatch: int | None = field(default=None, metadata={
         "help": "token budget per forward pass; splits each step's examples by tokens instead of by count"})
     gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in backward"})
@@ -143,6 +147,7 @@ class TrainConfig(Config):
             raise UserError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues a run: "
                             "pass one of them")
         check_lora_flags(self, types.SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(self)}))
+        self.chat_template_kwargs = json_object("chat_template_kwargs", self.chat_template_kwargs)
         unknown = [t for t in self.trackers if t not in (*TRACKERS, "all")]
         if unknown or (len(self.trackers) > 1 and "all" in self.trackers):
             raise UserError(f"--report_to: {self.report_to!r}: expected none, all, or a comma-separated list of "
@@ -420,6 +425,18 @@ def choices(config_cls) -> dict[str, tuple]:
     return out
 
 
+def json_object(name: str, value: dict | str | None) -> dict | None:
+    """--name's value as a dict: a JSON object on the command line, a mapping in YAML; one line otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--{name} {value!r}: not JSON ({e.msg} at character {e.pos})") from None
+    if value is not None and not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
+        raise UserError(f"--{name}: expected a JSON object such as '{{\"enable_thinking\": false}}', got {value!r}")
+    return value
+
+
 def _check_type(name: str, value, annotation) -> None:
     """Values from yaml bypass argparse's type conversion; check them here so `beta: abc` fails by name."""
     origin = typing.get_origin(annotation)
@@ -431,7 +448,7 @@ def _check_type(name: str, value, annotation) -> None:
             return
         if t is int and isinstance(value, int) and not isinstance(value, bool):
             return
-        if t in (str, bool) and isinstance(value, t):
+        if t in (str, bool, dict) and isinstance(value, t):
             return
     names = "/".join(getattr(t, "__name__", str(t)) for t in allowed)
     raise UserError(f"--{name}: expected {names}, got {value!r}")

@@ -146,7 +146,9 @@ class MetricsLogger:
                 write_text(path, "".join(rows_through(path, start_step)) if start_step > 0 else "")
         if accelerator.log_with:
             init = {t: {key: run_name} for t, key in RUN_NAME_KEYS.items()} if run_name else {}
-            accelerator.init_trackers("verl-kit", config=config, init_kwargs=init)
+            # a mapping flag (--chat_template_kwargs) as its JSON text: TensorBoard's hparams take scalars only
+            flat = config and {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in config.items()}
+            accelerator.init_trackers("verl-kit", config=flat, init_kwargs=init)
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,

@@ -59,3 +59,45 @@ def test_online_policy_checkpoints_in_training_mode_without_dropout(tiny_model_p
     assert torch.equal(logits[True], logits[False])
     # what the forward keeps for the backward outside checkpointed layers: 108,512 against 1,107,488 numbers
     assert saved[True] < saved[False] / 5, saved
+
+
+def test_chat_template_kwargs_reach_every_rendering(tiny_model_path, tmp_path):
+    """--chat_template_kwargs '{"enable_thinking": false}' (models.load_tokenizer): a template that reads the variable
+    renders it in RL prompts (rollout.load_prompts), preference data (TRL's maybe_apply_chat_template) and SFT
+    conversations, and a distillation teacher's tokenizer is loaded with the student's; without the flag nothing
+    changes, and the saved tokenizer does not carry it."""
+    from datasets import Dataset
+
+    from verl_kit.data import preference_examples, sft_examples
+    from verl_kit.models import CHAT_TEMPLATE, chat_template_kwargs
+    from verl_kit.rollout.prompts import load_prompts
+
+    tok = load_tokenizer(tiny_model_path)
+    thinking_off = "{% if enable_thinking is defined and not enable_thinking %}<|system|>{% endif %}"
+    tok.chat_template = thinking_off + CHAT_TEMPLATE
+    tok.save_pretrained(tmp_path / "tok")
+    user = [{"role": "user", "content": "hello there"}]
+    reply = [{"role": "assistant", "content": "a kind reply"}]
+    marker = tok.convert_tokens_to_ids("<|system|>")
+
+    def rendered(kwargs):
+        t = load_tokenizer(str(tmp_path / "tok"), kwargs)
+        prompt = load_prompts([{"prompt": user}], t, 64, "prompts")[0]
+        pref = preference_examples(Dataset.from_list([{"prompt": user, "chosen": reply, "rejected": reply}]), t,
+                                   64, 128, "prefs")[0].prompt_ids
+        sft = sft_examples(Dataset.from_list([{"messages": user + reply}]), t, 64, 128, "sft")[0].input_ids
+        return t, [marker in ids for ids in (prompt, pref, sft)]
+
+    plain, seen = rendered(None)
+    assert seen == [False] * 3 and chat_template_kwargs(plain) == {}
+    off, seen = rendered({"enable_thinking": False})
+    assert seen == [True] * 3 and chat_template_kwargs(off) == {"enable_thinking": False}
+    assert marker in off.apply_chat_template(user, add_generation_prompt=True, return_dict=False)
+    assert marker not in off.apply_chat_template(user, add_generation_prompt=True, return_dict=False,
+                                                 enable_thinking=True)  # a call's own value wins
+    teacher = str(tmp_path / "tok")  # load_teacher's check: the teacher's tokenizer with the student's kwargs
+    check_shared_tokenizer(off, load_tokenizer(teacher, chat_template_kwargs(off)), "--teacher_model_name_or_path t")
+    with pytest.raises(UserError, match="chat templates give"):
+        check_shared_tokenizer(off, load_tokenizer(teacher), "--teacher_model_name_or_path t")
+    off.save_pretrained(tmp_path / "saved")
+    assert chat_template_kwargs(load_tokenizer(str(tmp_path / "saved"))) == {}

@@ -19,7 +19,9 @@ SMOKE = ["--max_steps", "2", "--logging_steps", "1", "--eval_steps", "2", "--sav
 ONLINE = ["--prompts_per_step", "8", "--dataset_test_split", "test[:8]"]
 OFFLINE = ["--dataset_test_split", "test[:16]"]
 BF16 = ["--bf16", "true"]  # DPO and GRPO run in bf16 on CPU (docs/gpu.md), the others in fp32
-EXTRA = {"sft.py": OFFLINE, "reward_model.py": OFFLINE, "dpo.py": [*OFFLINE, "--report_to", "tensorboard,wandb", *BF16],
+EXTRA = {"sft.py": OFFLINE, "reward_model.py": OFFLINE,
+         "dpo.py": [*OFFLINE, "--report_to", "tensorboard,wandb", *BF16,
+                    "--chat_template_kwargs", '{"enable_thinking": false}'],
          "kto.py": [*OFFLINE, "--report_to", "wandb"], "ppo.py": ONLINE, "grpo.py": [*ONLINE, *BF16],
          # teacher = student (teacher_kl 0): the task reward, mixed into the advantage, is what trains it here
          "distill.py": [*ONLINE, "--teacher_model_name_or_path", "tiny-llama", "--num_generations", "2",

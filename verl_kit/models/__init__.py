@@ -3,6 +3,7 @@ context managers, the embedded tiny model and the packaged real model (smollm2-1
 
 from verl_kit.models.loading import (
     cache_dir,
+    chat_template_kwargs,
     check_shared_tokenizer,
     default_attn_implementation,
     export_hf,

@@ -5,6 +5,7 @@ Accelerator, built first, has registered its DeepSpeed config with transformers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
@@ -101,13 +102,25 @@ def quiet_load():
         hf_logging.set_verbosity(verbosity)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, chat_template_kwargs: dict | None = None):
+    """The tokenizer at `path` (pad = EOS where it has no pad token). `chat_template_kwargs` (--chat_template_kwargs,
+    e.g. {"enable_thinking": False}) become defaults of this tokenizer's apply_chat_template, so that every rendering
+    of the run sees them, the kit's (prompts, episodes, SFT data, evaluation) and TRL's (preference data) alike; a
+    call that passes one of them itself wins. They are not saved with it."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template_kwargs:
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **chat_template_kwargs)
     return tokenizer
+
+
+def chat_template_kwargs(tokenizer) -> dict:
+    """The --chat_template_kwargs a tokenizer was loaded with ({} for none)."""
+    apply = tokenizer.apply_chat_template
+    return dict(apply.keywords) if isinstance(apply, functools.partial) else {}
 
 
 def check_shared_tokenizer(student, teacher, teacher_flag: str) -> None:

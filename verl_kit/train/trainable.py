@@ -31,7 +31,13 @@ from torch import nn
 
 from verl_kit.config import TrainConfig
 from verl_kit.errors import UserError
-from verl_kit.models.loading import check_shared_tokenizer, load_causal_lm, load_tokenizer, resolve_model_path
+from verl_kit.models.loading import (
+    chat_template_kwargs,
+    check_shared_tokenizer,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_path,
+)
 from verl_kit.train.distributed import all_reduce_max, zero_stage
 
 logger = logging.getLogger(__name__)
@@ -167,5 +173,6 @@ def load_teacher(accelerator, spec: str, tokenizer, attn_implementation: str | N
     tokenizer is checked to be the student's `tokenizer` (the teacher scores the student's token ids: one vocabulary,
     one chat template; models.check_shared_tokenizer's one-line UserError otherwise)."""
     path = resolve_model_path(spec)
-    check_shared_tokenizer(tokenizer, load_tokenizer(path), f"--teacher_model_name_or_path {spec}")
+    teacher_tokenizer = load_tokenizer(path, chat_template_kwargs(tokenizer))  # rendered with the same kwargs
+    check_shared_tokenizer(tokenizer, teacher_tokenizer, f"--teacher_model_name_or_path {spec}")
     return frozen(accelerator, lambda: load_causal_lm(path, attn_implementation))
