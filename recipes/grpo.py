@@ -109,7 +109,7 @@ def main():
 
     # ---- data, models, rewards -----------------------------------------------------------------------------------
     model_path = models.resolve_model_path(cfg.train.model_name_or_path)
-    tokenizer = models.load_tokenizer(model_path, cfg.train.chat_template_kwargs)
+    tokenizer = models.load_tokenizer(model_path, cfg.train.chat_template_kwargs, multi_turn=cfg.env.enabled)
     prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation

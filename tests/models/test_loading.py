@@ -1,12 +1,13 @@
 """verl_kit.models.loading: a teacher's tokenizer must be the student's (on-policy distillation), else one line that
-names the flag; the online recipes' policy without dropout, checkpointing in training mode."""
+names the flag; the online recipes' policy without dropout, checkpointing in training mode; --chat_template_kwargs
+and TRL's training templates as the tokenizer's defaults."""
 
 import pytest
 import torch
 
 from verl_kit.config import TrainConfig
 from verl_kit.errors import UserError
-from verl_kit.models import check_shared_tokenizer, load_policy, load_tokenizer, without_dropout
+from verl_kit.models import chat_template_kwargs, check_shared_tokenizer, load_policy, load_tokenizer, without_dropout
 
 
 def test_teacher_tokenizer_must_be_the_students(tiny_model_path, tmp_path):
@@ -69,7 +70,7 @@ def test_chat_template_kwargs_reach_every_rendering(tiny_model_path, tmp_path):
     from datasets import Dataset
 
     from verl_kit.data import preference_examples, sft_examples
-    from verl_kit.models import CHAT_TEMPLATE, chat_template_kwargs
+    from verl_kit.models import CHAT_TEMPLATE
     from verl_kit.rollout.prompts import load_prompts
 
     tok = load_tokenizer(tiny_model_path)
@@ -101,3 +102,33 @@ def test_chat_template_kwargs_reach_every_rendering(tiny_model_path, tmp_path):
         check_shared_tokenizer(off, load_tokenizer(teacher), "--teacher_model_name_or_path t")
     off.save_pretrained(tmp_path / "saved")
     assert chat_template_kwargs(load_tokenizer(str(tmp_path / "saved"))) == {}
+
+
+def test_qwen3_template_trains_multi_turn_through_trls_training_template(tiny_model_path, tmp_path):
+    """TRL 1.16's Qwen3 chat template (not prefix-preserving: it drops earlier turns' reasoning, and a tool turn
+    rewrites the text before it) on the tiny tokenizer with Qwen3's special tokens: refused for episodes as it is;
+    loaded for a multi-turn run, TRL's qwen3 training template becomes the tokenizer's default and passes the
+    episodes' six-turn prefix check, with and without tool messages; --chat_template_kwargs reaches it."""
+    from trl.chat_template_utils import qwen3_chat_template, qwen3_training_chat_template
+
+    from verl_kit.rollout.episodes import check_prefix_property, supports_tools
+
+    tok = load_tokenizer(tiny_model_path)
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+        "</tool_response>"]})
+    tok.chat_template = qwen3_chat_template
+    tok.save_pretrained(tmp_path / "qwen3")
+    path = str(tmp_path / "qwen3")
+    plain = load_tokenizer(path)
+    assert supports_tools(plain)
+    with pytest.raises(UserError, match="^qwen3-tiny: the chat template does not extend a conversation by appending"):
+        check_prefix_property(plain, "qwen3-tiny", native_tools=True)
+    multi = load_tokenizer(path, {"enable_thinking": False}, multi_turn=True)
+    assert chat_template_kwargs(multi) == {"chat_template": qwen3_training_chat_template, "enable_thinking": False}
+    for native_tools in (True, False):
+        check_prefix_property(multi, "qwen3-tiny", native_tools)
+    user = [{"role": "user", "content": "hi"}]
+    assert multi.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking false
+    assert chat_template_kwargs(load_tokenizer(tiny_model_path, multi_turn=True)) == {}  # a template TRL lacks

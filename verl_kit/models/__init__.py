@@ -13,6 +13,7 @@ from verl_kit.models.loading import (
     quantized,
     resolve_attn_implementation,
     resolve_model_path,
+    training_template,
     uses_block_mask,
     without_dropout,
 )

@@ -102,19 +102,40 @@ def quiet_load():
         hf_logging.set_verbosity(verbosity)
 
 
-def load_tokenizer(path: str, chat_template_kwargs: dict | None = None):
+def load_tokenizer(path: str, chat_template_kwargs: dict | None = None, multi_turn: bool = False):
     """The tokenizer at `path` (pad = EOS where it has no pad token). `chat_template_kwargs` (--chat_template_kwargs,
     e.g. {"enable_thinking": False}) become defaults of this tokenizer's apply_chat_template, so that every rendering
     of the run sees them, the kit's (prompts, episodes, SFT data, evaluation) and TRL's (preference data) alike; a
-    call that passes one of them itself wins. They are not saved with it."""
+    call that passes one of them itself wins. `multi_turn` (a run with episodes): TRL's training version of the
+    chat template where it has one (training_template) becomes the default template the same way. Neither is saved
+    with the tokenizer: an export keeps the model's own template."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if chat_template_kwargs:
-        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **chat_template_kwargs)
+    defaults = dict(chat_template_kwargs or {})
+    if multi_turn and (template := training_template(tokenizer)) is not None:
+        logger.info("%s: multi-turn episodes render with TRL's prefix-preserving training version of its chat "
+                    "template", path)
+        defaults["chat_template"] = template
+    if defaults:
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **defaults)
     return tokenizer
+
+
+def training_template(tokenizer) -> str | None:
+    """TRL 1.16's training version of the tokenizer's chat template (trl/chat_templates/*_training.jinja: it renders
+    a conversation so that each turn's text stays as it was when later turns are added, e.g. Qwen3 keeps earlier
+    reasoning, and marks the assistant's tokens), or None where the template needs none or TRL has none for it;
+    an unknown template that does not extend a conversation by appending is then refused by the episodes' check
+    (rollout.episodes.check_prefix_property)."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    try:
+        return get_training_chat_template(tokenizer)
+    except ValueError:  # TRL has no training version of this template
+        return None
 
 
 def chat_template_kwargs(tokenizer) -> dict:
