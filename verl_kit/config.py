@@ -131,7 +131,9 @@ class TrainConfig(Config):
         "help": "train a LoRA adapter (peft) instead of every weight; the reference is the base model"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank (with --use_peft)"})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
-    lora_dropout: float = field(default=0.05, metadata={"help": "dropout on the LoRA branch's input"})
+    lora_dropout: float = field(default=0.05, metadata={
+        "help": "dropout on the LoRA branch's input (offline recipes: GRPO, PPO and distillation train without "
+                "dropout)"})
     lora_target_modules: str | None = field(default=None, metadata={
         "help": "comma-separated module names to adapt (q_proj,v_proj); default all-linear: every linear layer of "
                 "the decoder, not the output layer"})
