@@ -333,3 +333,20 @@ def add(a: int, b: int) -> int:
         b: the second
     """
     return a + b
+
+
+def qwen3_tokenizer(tiny_model_path: str, out_dir) -> str:
+    """The tiny tokenizer with Qwen3's chat tokens (<|im_start|>/<|im_end|> special, <|im_end|> its EOS; <think>,
+    <tool_call>, <tool_response> and their closers plain added tokens, as in Qwen3's tokenizer) and TRL 1.16's copy
+    of Qwen3's chat template, saved to `out_dir`: a thinking model's template without the hub."""
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from verl_kit.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_path)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = qwen3_chat_template
+    tok.save_pretrained(out_dir)
+    return str(out_dir)

@@ -109,17 +109,12 @@ def test_qwen3_template_trains_multi_turn_through_trls_training_template(tiny_mo
     rewrites the text before it) on the tiny tokenizer with Qwen3's special tokens: refused for episodes as it is;
     loaded for a multi-turn run, TRL's qwen3 training template becomes the tokenizer's default and passes the
     episodes' six-turn prefix check, with and without tool messages; --chat_template_kwargs reaches it."""
-    from trl.chat_template_utils import qwen3_chat_template, qwen3_training_chat_template
+    from helpers import qwen3_tokenizer
+    from trl.chat_template_utils import qwen3_training_chat_template
 
     from verl_kit.rollout.episodes import check_prefix_property, supports_tools
 
-    tok = load_tokenizer(tiny_model_path)
-    tok.add_special_tokens({"additional_special_tokens": [
-        "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
-        "</tool_response>"]})
-    tok.chat_template = qwen3_chat_template
-    tok.save_pretrained(tmp_path / "qwen3")
-    path = str(tmp_path / "qwen3")
+    path = qwen3_tokenizer(tiny_model_path, tmp_path / "qwen3")
     plain = load_tokenizer(path)
     assert supports_tools(plain)
     with pytest.raises(UserError, match="^qwen3-tiny: the chat template does not extend a conversation by appending"):

@@ -98,6 +98,38 @@ def test_calculator_example_environment(tokenizer):
             assert rendered == ro.prompt_ids[0] + ro.response_ids[0][ro.sequence_mask[0]].tolist()
 
 
+def test_qwen3_template_episode_is_token_exact(tiny_model_path, tmp_path):
+    """A Calculator episode on a tokenizer with Qwen3's template (refused for episodes as it is), loaded as a
+    multi-turn run loads it (TRL's qwen3 training template, --chat_template_kwargs enable_thinking false): the model's
+    <tool_call> is parsed and answered, the second turn continues from the first turn's and the tool result's ids,
+    and the whole episode is, id for id, the template's rendering of its conversation (less the newline the template
+    puts after the final <|im_end|>, where the episode stops)."""
+    from helpers import qwen3_tokenizer
+    from transformers.utils import get_json_schema
+
+    from verl_kit.config import load_object
+    from verl_kit.models import load_tokenizer
+
+    tok = load_tokenizer(qwen3_tokenizer(tiny_model_path, tmp_path / "qwen3"), {"enable_thinking": False},
+                         multi_turn=True)
+    env = load_object("environment_factory", "examples/environments.py:Calculator")
+    row = {"prompt": [{"role": "user", "content": "What is 924 * 607?"}], "answer": "560868"}
+    engine = Scripted(tok, ['<tool_call>\n{"name": "calculate", "arguments": {"expression": "924 * 607"}}\n'
+                            "</tool_call>", "560868"])
+    ro = Episodes(engine, tok, "qwen3-tiny", env_factory=env, max_prompt_length=1024,
+                  max_completion_length=400).run([row], [1], SamplingParams())
+    ep = ro.episodes[0]
+    assert (ep["turns"], ep["tool_calls"], ep["tool_failures"], ro.env_reward.tolist()) == (2, 1, 0, [1.0])
+    assert [m["role"] for m in ep["messages"]] == ["user", "assistant", "tool", "assistant"]
+    k = len(engine.prompts[1][0])
+    assert engine.prompts[1][0] == ro.prompt_ids[0] + ro.response_ids[0][:k - len(ro.prompt_ids[0])].tolist()
+    episode = ro.prompt_ids[0] + ro.response_ids[0][ro.sequence_mask[0]].tolist()
+    rendered = tok.apply_chat_template(ep["messages"], tools=[get_json_schema(env().calculate)], tokenize=True,
+                                       return_dict=False)
+    assert rendered[:len(episode)] == episode and tok.decode(rendered[len(episode):]) == "\n"
+    assert "<think>\n\n</think>\n\n560868<|im_end|>" in tok.decode(episode)
+
+
 class Raising:
     def reset(self, **row):
         raise KeyError("level")
