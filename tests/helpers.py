@@ -350,3 +350,21 @@ def qwen3_tokenizer(tiny_model_path: str, out_dir) -> str:
     tok.chat_template = qwen3_chat_template
     tok.save_pretrained(out_dir)
     return str(out_dir)
+
+
+def prompt_groups(groups) -> tuple[list[list[int]], list[list[bool]], list[int]]:
+    """Sequences that share their prompts, as GRPO groups do: for each (prompt length, completion lengths) of
+    `groups`, one random prompt (seed 0, ids 5-599) followed by each random completion. Returns the sequences, their
+    loss masks (completion tokens) and each sequence's shareable prefix (layout's shared_prefix: prompt length - 1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(5, 600, (n,), generator=g).tolist()  # noqa: E731
+    seqs, masks, shared = [], [], []
+    for n, completions in groups:
+        prompt = rand(n)
+        for k in completions:
+            seqs.append(prompt + rand(k))
+            masks.append([False] * n + [True] * k)
+            shared.append(n - 1)
+    return seqs, masks, shared

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import prompt_groups
 
 from verl_kit.algos import dpo_loss
 from verl_kit.data import (
@@ -154,16 +155,7 @@ def test_layout_pads_when_packing_does_not_pay():
 
 def _groups():
     """Prompts of 17, 14 and 12 tokens with 4, 3 and 1 completions: sequences sharing their prompts."""
-    g = torch.Generator().manual_seed(0)
-    rand = lambda n: torch.randint(5, 600, (n,), generator=g).tolist()  # noqa: E731
-    seqs, masks, shared = [], [], []
-    for n, completions in ((17, (9, 7, 5, 3)), (14, (8, 6, 4)), (12, (5,))):
-        prompt = rand(n)
-        for k in completions:
-            seqs.append(prompt + rand(k))
-            masks.append([False] * n + [True] * k)
-            shared.append(n - 1)
-    return seqs, masks, shared
+    return prompt_groups(((17, (9, 7, 5, 3)), (14, (8, 6, 4)), (12, (5,))))
 
 
 def test_shared_prefix_equals_padded(model):

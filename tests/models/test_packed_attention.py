@@ -4,6 +4,7 @@ no (L x L) tensor is made at 8192 tokens; without segments the model is transfor
 
 import pytest
 import torch
+from helpers import prompt_groups
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -38,16 +39,7 @@ def gqa_model():
 
 def _groups():
     """Three prompts of 17, 14 and 12 tokens with 4, 3 and 1 completions, and two lone sequences of 30 and 9."""
-    g = torch.Generator().manual_seed(0)
-    rand = lambda n: torch.randint(5, 600, (n,), generator=g).tolist()  # noqa: E731
-    seqs, masks, shared = [], [], []
-    for n, completions in ((17, (9, 7, 5, 3)), (14, (8, 6, 4)), (12, (5,)), (2, (28,)), (1, (8,))):
-        prompt = rand(n)
-        for k in completions:
-            seqs.append(prompt + rand(k))
-            masks.append([False] * n + [True] * k)
-            shared.append(n - 1)
-    return seqs, masks, shared
+    return prompt_groups(((17, (9, 7, 5, 3)), (14, (8, 6, 4)), (12, (5,)), (2, (28,)), (1, (8,))))
 
 
 def _compare(model, seqs, masks, shared, row_len):
