@@ -123,8 +123,8 @@ def main():
     packed = train.ResponsePacker(cfg.train, tokenizer.pad_token_id, actor.unwrapped(), cfg.rollout.temperature)
     # reward functions and/or a frozen reward model, weighted
     reward = rewards.make_rewards(cfg.rewards, accelerator, tokenizer, cfg.train.max_length,
-                                  cfg.train.per_device_eval_batch_size, bool(cfg.env.environment_factory))
-    # the --rollout backend (multi-turn episodes with --environment_factory or --tools), synchronous or ahead
+                                  cfg.train.per_device_eval_batch_size, cfg.env.episode_reward)
+    # the --rollout backend (episodes with --environment_factory, --tools or --agent), synchronous or ahead
     rollouts = rollout.make_rollouts(cfg.rollout, cfg.vllm, cfg.env, cfg.train, accelerator, actor.unwrapped(),
                                      model_path, tokenizer, prompts, total_steps, grpo.num_generations)
     start = train.resume(accelerator, cfg.train, flags, per_rank=rollouts)  # 0 unless --resume_from_checkpoint
@@ -156,16 +156,19 @@ def main():
             with timer("dynamic_sampling"):
                 ro, scored, sampled = rollout.dynamic_sampling(rollouts, step, ro, scored, score,
                                                                grpo.num_generations, grpo.max_num_gen_batches)
-        mask, B, scores = ro.response_mask, ro.response_mask.shape[0], scored.total  # scores (B,)
+        mask, B = ro.response_mask, ro.response_mask.shape[0]
         rows = [prompts.rows[i] for i in ro.prompt_index]  # the dataset row of each response
+        # one score per episode (E,) and each row's episode (B,): a row each, unless an --agent's calls did not
+        # extend each other (per-call samples, docs/agents.md): its rows then share the episode's advantage
+        scores, episode = scored.total[ro.first_rows()], ro.row_episode()
         with timer("reward"):
             if grpo.advantage_estimator == "rloo":
-                advantages = algos.rloo_advantages(scores, grpo.num_generations)
+                advantages = algos.rloo_advantages(scores, grpo.num_generations)[episode]
             elif grpo.advantage_estimator == "reinforce_plus_plus_baseline":  # whitened over all ranks' tokens
                 advantages = algos.reinforce_plus_plus_baseline_advantages(scores, grpo.num_generations, mask,
-                                                                           train.reduce_metrics)
+                                                                           train.reduce_metrics, episode)
             else:
-                advantages = algos.group_advantages(scores, grpo.num_generations, grpo.scale_rewards)
+                advantages = algos.group_advantages(scores, grpo.num_generations, grpo.scale_rewards)[episode]
 
         # 3. reference log-probs (for the KL term) and, with several updates per rollout, the old log-probs
         lengths = mask.sum(-1)
@@ -220,7 +223,8 @@ def main():
         sync_metrics = rollouts.load_weights(actor.unwrapped(), version=step + 1)
 
         # ---- metrics, checkpoint -------------------------------------------------------------------------------
-        tally.add(flat_groups=scores.view(-1, grpo.num_generations).std(-1) == 0, groups=B / grpo.num_generations)
+        tally.add(flat_groups=scores.view(-1, grpo.num_generations).std(-1) == 0,
+                  groups=len(scores) / grpo.num_generations)
         t = tally.reduce()
         timer.seconds["timing_s/step"] = time.time() - t_step
         metrics = {**rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments),
@@ -237,7 +241,7 @@ def main():
             metrics.update(evaluate())
         if (step + 1) % cfg.train.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
             log.log(step + 1, metrics)
-            log.log_samples(rollout.sample_rows(step + 1, rows, ro, scores, tokenizer))
+            log.log_samples(rollout.sample_rows(step + 1, rows, ro, scored.total, tokenizer))
         train.save_if_due(accelerator, cfg.train, step + 1, flags, per_rank=rollouts)
 
     rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)

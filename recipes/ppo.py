@@ -99,8 +99,8 @@ def main():
     accelerator.register_for_checkpointing(kl_ctl)
     # reward functions and/or a frozen reward model, weighted
     reward = rewards.make_rewards(cfg.rewards, accelerator, tokenizer, cfg.train.max_length,
-                                  cfg.train.per_device_eval_batch_size, bool(cfg.env.environment_factory))
-    # the --rollout backend (multi-turn episodes with --environment_factory or --tools), synchronous or ahead
+                                  cfg.train.per_device_eval_batch_size, cfg.env.episode_reward)
+    # the --rollout backend (episodes with --environment_factory, --tools or --agent), synchronous or ahead
     rollouts = rollout.make_rollouts(cfg.rollout, cfg.vllm, cfg.env, cfg.train, accelerator, actor.unwrapped(),
                                      model_path, tokenizer, prompts, total_steps, ppo.num_generations)
     start = train.resume(accelerator, cfg.train, flags, per_rank=rollouts)  # 0 unless --resume_from_checkpoint

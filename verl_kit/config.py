@@ -296,11 +296,33 @@ class EnvironmentConfig(Config):
                 "--max_completion_length (which bounds the whole episode)"})
     tool_timeout_s: float | None = field(default=60.0, metadata={
         "help": "a tool call running longer is cut: the model sees an error as its result"})
+    agent: str | None = field(default=None, metadata={
+        "help": "an agent loop written against the OpenAI API (docs/agents.md): module:function or "
+                "path/to/file.py:function, fn(client, row) -> reward or None, plain or async; each episode calls "
+                "the run's loopback /v1/chat/completions, which the policy answers and records token for token"})
+    agent_max_concurrency: int = field(default=64, metadata={
+        "help": "--agent: episodes running at once on each process (their requests are batched into one generate)"})
+    agent_timeout_s: float = field(default=600.0, metadata={
+        "help": "--agent: seconds an episode may run; one that raises, times out or returns no number ends as a "
+                "counted failure (episode/env_errors), the run goes on"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.agent and (self.environment_factory or self.tools):
+            raise UserError("--agent runs its own tools: give it alone, without --environment_factory or --tools")
+        self.at_least(1, "agent_max_concurrency")
+        if self.agent_timeout_s <= 0:
+            raise UserError(f"--agent_timeout_s {self.agent_timeout_s}: use > 0")
 
     @property
     def enabled(self) -> bool:
         """Episodes rather than single-turn rollouts."""
-        return bool(self.environment_factory or self.tools)
+        return bool(self.environment_factory or self.tools or self.agent)
+
+    @property
+    def episode_reward(self) -> bool:
+        """An environment's get_reward() or an agent's return value adds to each episode's score."""
+        return bool(self.environment_factory or self.agent)
 
 
 @dataclass

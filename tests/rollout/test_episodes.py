@@ -411,7 +411,8 @@ def vllm_episodes(engine, tokenizer) -> dict:
 
 @pytest.mark.slow
 def test_episode_tokens_exact_vllm_server(vllm_server, tokenizer, tiny_model_path):
-    """The same on the session's shared vLLM server (the client sends token ids; the weights are synced first)."""
+    """The same on the session's shared vLLM server (the client sends token ids; the weights are synced first), and
+    an OpenAI-SDK agent's episodes through the endpoint (tests/rollout/test_agents.py)."""
     from verl_kit.models import load_causal_lm
     from verl_kit.rollout import VLLMServer
 
@@ -423,10 +424,14 @@ def test_episode_tokens_exact_vllm_server(vllm_server, tokenizer, tiny_model_pat
     try:
         client.load_weights(model, version=1)
         out = vllm_episodes(client, tokenizer)
+        from test_agents import agent_episodes  # an OpenAI-SDK agent through the endpoint, token-exact
+
+        agents = agent_episodes(client, tokenizer, seed=7)
     finally:
         client.close()
-    print(out)
+    print(out, agents)
     assert out["continued"] >= 2, out
+    assert agents["merged"] >= 2 and agents["split"] >= 2, agents
 
 
 @pytest.fixture(scope="module")

@@ -144,6 +144,8 @@ if __name__ == "__main__":
     short_turns(fresh, tok)
     engine.load_weights(fresh, version=2)
     out["episodes"] = vllm_episodes(engine, tok)
+    from test_agents import agent_episodes  # an OpenAI-SDK agent through the endpoint on this engine, token-exact
+    out["agents"] = agent_episodes(engine, tok, seed=7)
     engine.close()
     print("RESULT " + json.dumps(out), flush=True)
 '''
@@ -171,6 +173,7 @@ def test_colocated_generate_sync_probe():
     assert "had no effect" in out["errors"][0] and "had no effect" in out["errors"][1], out["errors"]
     assert out["env_left"] == []  # the engine's CPU settings do not reach processes started later
     assert out["episodes"]["continued"] >= 2, out["episodes"]  # tests/rollout/test_episodes.py: episode_is_token_exact
+    assert out["agents"]["merged"] >= 2 and out["agents"]["split"] >= 2, out["agents"]  # test_agents: agent_episodes
 
 
 # ---- the session's shared server (conftest.vllm_server) ---------------------------------------------------------

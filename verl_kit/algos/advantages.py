@@ -87,14 +87,18 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def reinforce_plus_plus_baseline_advantages(scores: torch.Tensor, group_size: int, mask: torch.Tensor,
-                                            reduce=lambda moments: moments) -> torch.Tensor:
+                                            reduce=lambda moments: moments, episode: torch.Tensor | None = None
+                                            ) -> torch.Tensor:
     """REINFORCE++-baseline (Hu et al. 2025, "REINFORCE++"; verl's `reinforce_plus_plus_baseline`): the score minus
     its group's mean, then whitened over every response token of the whole batch: (c_i - mean) / std with mean and
     (population) variance of c taken over tokens, so a response weighs by its length, as verl's masked_whiten of the
     token-broadcast advantages. scores (B,), mask (B, R) -> (B,), one value per response. `reduce` sums the
     masked_moments over processes (train.reduce_metrics; the identity for one process), so the result does not
-    depend on how the batch is split. verl uses the unbiased variance: a factor sqrt(N / (N - 1)) over N tokens."""
+    depend on how the batch is split. verl uses the unbiased variance: a factor sqrt(N / (N - 1)) over N tokens.
+    `episode` (B,) long: the scores are per episode (E,) and response i belongs to episode episode[i] (an agent's
+    per-call samples); None: one response per score."""
     centred = group_advantages(scores, group_size, scale=False)
+    centred = centred if episode is None else centred[episode]
     moments = reduce(masked_moments(centred[:, None].expand(mask.shape), mask))
     return whiten(centred, torch.ones_like(centred, dtype=torch.bool), moments)
 

@@ -14,7 +14,7 @@ from verl_kit.config import RewardConfig
 from verl_kit.errors import UserError
 from verl_kit.models.loading import resolve_model_path
 from verl_kit.rewards.functions import CallLimits, call_reward_fn, load_reward_fn, nonfinite_score, reward_columns
-from verl_kit.rollout.types import Scores
+from verl_kit.rollout.types import Scores, select_rows
 from verl_kit.train.distributed import reduce_metrics
 from verl_kit.train.trainable import frozen
 
@@ -82,15 +82,21 @@ class Rewards:
         (its `prompt` field, and the other columns the reward functions may read). The reward functions may also
         take `completion_ids` (the responses' token ids). Nothing non-finite comes out: a source's NaN or inf score,
         or a weighted total that overflows, is --reward_fallback (counted in reward/errors) or a one-line UserError
-        naming the source and the sample."""
+        naming the source and the sample. An agent's episode of several rows (rollout.agents: per-call samples) is
+        scored once, on its last row (its final call), and every row of it gets that score."""
+        if rollout.episode is not None:
+            last = rollout.last_rows()
+            return self.of_rollout([rows[i] for i in last], select_rows(rollout, last)).select(
+                rollout.row_episode().tolist())
         ids = [r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)]
         completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         prompts = [r["prompt"] for r in rows]
         sources = self.sources(prompts, completions, reward_columns(rows), completion_ids=[x.tolist() for x in ids])
         total = self.total(sources, rollout.truncated)
-        if rollout.env_reward is not None:  # multi-turn: get_reward() is one more source
-            sources["environment"] = self.environment(rollout, prompts, completions)
-            total = total + sources["environment"]
+        if rollout.env_reward is not None:  # multi-turn: get_reward() (an agent's return value) is one more source
+            name = rollout.episodes[0].get("reward_source", "environment") if rollout.episodes else "environment"
+            sources[name] = self.environment(rollout, prompts, completions)
+            total = total + sources[name]
         total = torch.tensor([nonfinite_score("the weighted reward total", v, self.limits, p, c, i)
                               for i, (v, p, c) in enumerate(zip(total.tolist(), prompts, completions))])
         return Scores(total, sources)

@@ -4,6 +4,7 @@ tools and environments, held-out evaluation. The weight sync's internals are imp
 rollout.weight_sync (the trainer's side), rollout.transport (the wire format and same-host slots),
 rollout.worker_extension (what vLLM loads), rollout.synced (what the two vLLM backends share)."""
 
+from verl_kit.rollout.agents import AgentEpisodes
 from verl_kit.rollout.backends import make_backend, rollout_dtype, start_server
 from verl_kit.rollout.episodes import Episodes, check_prefix_property, make_episodes
 from verl_kit.rollout.hf import HFGenerateBackend

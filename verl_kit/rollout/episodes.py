@@ -114,7 +114,7 @@ class Episodes:
             kw["tools"] = schemas
         return self.tokenizer.apply_chat_template(messages, **kw)
 
-    def _prompt(self, messages: list[dict], schemas: list[dict]) -> list[int]:
+    def render_prompt(self, messages: list[dict], schemas: list[dict]) -> list[int]:
         if schemas and not self.native_tools:  # the fallback: the tools described in the system message
             text = describe_tools(schemas)
             if messages[0]["role"] == "system":
@@ -175,7 +175,7 @@ class Episodes:
         tools = {**self.tools, **(environment_tools(env) if env is not None else {})}
         schemas = [tool_schema(fn) for fn in tools.values()]
         shown = copy.deepcopy(messages)
-        ids = self._prompt(shown, schemas)
+        ids = self.render_prompt(shown, schemas)
         if len(ids) > self.max_prompt_length:
             raise UserError(f"{source} row {row_no}: the prompt with its tool descriptions is {len(ids)} tokens, over "
                             f"--max_prompt_length {self.max_prompt_length} (cutting it would lose the tools)")
@@ -294,6 +294,9 @@ class Episodes:
                 e.add(suffix, None)
             active = [e for e in active if not e.done]
             turn += 1
+
+    def close(self) -> None:
+        pass
 
     def to_rollout(self, eps: list[_Episode]) -> Rollout:
         B, R = len(eps), max(1, max(len(e.ids) for e in eps))

@@ -13,7 +13,7 @@ from verl_kit.config import TrainConfig
 from verl_kit.data.datasets import load_splits, truncate
 from verl_kit.errors import UserError
 from verl_kit.metrics import progress
-from verl_kit.rollout.types import Rollout, SamplingParams, Scores
+from verl_kit.rollout.types import Rollout, SamplingParams, Scores, select_rows
 from verl_kit.train.distributed import Tally, reduce_metrics, shard
 
 
@@ -69,9 +69,11 @@ def episode_metrics(ro: Rollout, scores: torch.Tensor, environments: tuple[str, 
     rollouts."""
     if ro.episodes is None:
         return {}
+    sums = {"env_tokens": ro.env_mask.sum(), "all_tokens": ro.sequence_mask.sum(), "samples": len(ro.prompt_ids)}
+    first = ro.first_rows()  # an agent's episode of several rows (per-call samples) counts once
+    ro, scores = select_rows(ro, first), scores[first]
     names = [e["environment"] for e in ro.episodes]
     groups = {"": [True] * len(names), **{f"env/{name}/": [e == name for e in names] for name in environments}}
-    sums = {"env_tokens": ro.env_mask.sum(), "all_tokens": ro.sequence_mask.sum()}
     for g, member in groups.items():
         eps = [e for e, m in zip(ro.episodes, member) if m]
         sums.update({f"{g}n": len(eps), f"{g}score": scores[torch.tensor(member, dtype=torch.bool)].sum(),
@@ -79,7 +81,7 @@ def episode_metrics(ro: Rollout, scores: torch.Tensor, environments: tuple[str, 
     sums["env_errors"] = sum(e.get("env_errors", 0) for e in ro.episodes)
     t = reduce_metrics(sums)
     out = {"episode/env_token_share": t["env_tokens"] / max(t["all_tokens"], 1),
-           "episode/env_errors": t["env_errors"] / max(t["n"], 1)}
+           "episode/env_errors": t["env_errors"] / max(t["n"], 1), "episode/samples": t["samples"] / max(t["n"], 1)}
     for g in groups:
         n, calls = max(t[f"{g}n"], 1), t[f"{g}tool_calls"]
         call, failure, turns = ("tools/call_frequency", "tools/failure_frequency", "episode/turns") if not g else \
@@ -133,6 +135,7 @@ def evaluate(accelerator, generate: Callable[[list[int], SamplingParams], Rollou
             idx = mine[i:i + batch_size]
             first = (rank + world * i) * params.n  # this batch's first response, over all processes
             ro = generate(idx, replace(params, seed=params.sample_seed(first)))
+            ro = select_rows(ro, ro.last_rows())  # an agent's episode of several rows: its final call
             rows_of = [rows[j] for j in idx for _ in range(params.n)]
             scored = score(rows_of, ro)
             scores = scored.total.view(len(idx), params.n)

@@ -51,6 +51,12 @@ class Rollout:
                                                   its environment's name (multi-environment form, else None) and
                                                   class (env_class), env_errors (respond/get_reward raised) and
                                                   reward_error (why get_reward gave no number, else None)
+    An agent (rollout.agents) may leave several rows per episode:
+    episode            list of B ints or None     each row's episode, numbered 0.. in row order (an episode's
+                                                  rows are consecutive); None: one row per episode. The rows of
+                                                  an episode are the calls its agent made that did not extend the
+                                                  previous call token for token: they share its score and its
+                                                  advantage (first_rows, row_episode)
     """
 
     prompt_ids: list[list[int]]
@@ -62,6 +68,24 @@ class Rollout:
     env_mask: torch.Tensor | None = None
     env_reward: torch.Tensor | None = None
     episodes: list[dict] | None = None
+    episode: list[int] | None = None
+
+    def first_rows(self) -> list[int]:
+        """The first row of each episode (every row without per-call samples)."""
+        if self.episode is None:
+            return list(range(len(self.prompt_ids)))
+        return [i for i, e in enumerate(self.episode) if i == 0 or self.episode[i - 1] != e]
+
+    def last_rows(self) -> list[int]:
+        """The last row of each episode: its final call."""
+        if self.episode is None:
+            return list(range(len(self.prompt_ids)))
+        return [i for i, e in enumerate(self.episode) if i + 1 == len(self.episode) or self.episode[i + 1] != e]
+
+    def row_episode(self) -> torch.Tensor:
+        """(B,) long: each row's episode, to spread per-episode values (E,) over the rows: values[ro.row_episode()]."""
+        return torch.tensor(self.episode if self.episode is not None else range(len(self.prompt_ids)),
+                            dtype=torch.long)
 
     @property
     def sequence_mask(self) -> torch.Tensor:
@@ -113,11 +137,23 @@ def concat_rollouts(batches: list[Rollout]) -> Rollout:
 
     index = None if any(b.prompt_index is None for b in batches) else [i for b in batches for i in b.prompt_index]
     episodes = any(b.episodes is not None for b in batches)  # multi-turn: every batch is episodes
+    episode, offset = [], 0
+    for b in batches:
+        episode += (b.row_episode() + offset).tolist()
+        offset += len(b.first_rows())
     return Rollout([p for b in batches for p in b.prompt_ids], cat("response_ids"), cat("response_mask", False),
                    cat("sampling_logprobs"), torch.cat([b.truncated for b in batches]), index,
                    env_mask=cat("env_mask", False) if episodes else None,
                    env_reward=torch.cat([b.env_reward for b in batches]) if episodes else None,
-                   episodes=[e for b in batches for e in b.episodes] if episodes else None)
+                   episodes=[e for b in batches for e in b.episodes] if episodes else None,
+                   episode=_numbered(episode))
+
+
+def _numbered(episode: list[int]) -> list[int] | None:
+    """Each row's episode renumbered 0.. in row order; None when every row is its own episode."""
+    first = {e: n for n, e in enumerate(dict.fromkeys(episode))}
+    out = [first[e] for e in episode]
+    return None if out == list(range(len(out))) else out
 
 
 def select_rows(ro: Rollout, rows: list[int]) -> Rollout:
@@ -128,7 +164,17 @@ def select_rows(ro: Rollout, rows: list[int]) -> Rollout:
                    None if ro.prompt_index is None else [ro.prompt_index[i] for i in rows],
                    env_mask=None if ro.env_mask is None else ro.env_mask[ix],
                    env_reward=None if ro.env_reward is None else ro.env_reward[ix],
-                   episodes=None if ro.episodes is None else [ro.episodes[i] for i in rows])
+                   episodes=None if ro.episodes is None else [ro.episodes[i] for i in rows],
+                   episode=None if ro.episode is None else _numbered([ro.episode[i] for i in rows]))
+
+
+def episode_rows(ro: Rollout, episodes: list[int]) -> list[int]:
+    """The rows of `episodes` (indices into ro's episodes), in that order."""
+    of = ro.row_episode().tolist()
+    rows: dict[int, list[int]] = {}
+    for i, e in enumerate(of):
+        rows.setdefault(e, []).append(i)
+    return [i for e in episodes for i in rows[e]]
 
 
 @dataclass
