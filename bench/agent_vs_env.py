@@ -15,12 +15,11 @@ its third reply's calls are not run, as the environment's third round is not.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recipe loads this file by path, for `explore`
-from episodes_vs_trl import EPISODE, GENERATIONS, PROMPTS, ROUNDS, Explore, build_tool_model  # noqa: E402
+from episodes_vs_trl import EPISODE, GENERATIONS, PROMPTS, ROUNDS, Explore, tool_bench_args  # noqa: E402
 
 
 async def explore(client, row: dict) -> float:
@@ -45,12 +44,7 @@ async def explore(client, row: dict) -> float:
 def main(argv=None):
     import harness as h  # here: the recipe imports this file for `explore`, without bench/ on its path
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=3, help="measured steps per run")
-    p.add_argument("--warmup", type=int, default=1, help="steps skipped per run")
-    p.add_argument("--timeout", type=float, default=1800)
-    args = p.parse_args(argv)
-    args.model, args.skip = build_tool_model(h), []
+    args = tool_bench_args(h, __doc__, argv)
     out = h.RESULTS / "agent_vs_env"
     here = Path(__file__).resolve()
     flags = ["--prompts_per_step", str(PROMPTS), "--num_generations", str(GENERATIONS), "--beta", "0.04",

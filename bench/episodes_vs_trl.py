@@ -141,15 +141,21 @@ def build_tool_model(h, max_steps: int = 200, target: float = 0.003) -> str:
     return str(out)
 
 
-def main(argv=None):
-    import harness as h  # here, not at the top: the recipe imports this file for Explore, without bench/ on its path
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def tool_bench_args(h, doc: str, argv=None) -> argparse.Namespace:
+    """The flags of a bench on the tool-calling bench model (this one, bench/agent_vs_env.py), the model built."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--steps", type=int, default=3, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=1, help="steps skipped per run")
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args(argv)
     args.model, args.skip = build_tool_model(h), []
+    return args
+
+
+def main(argv=None):
+    import harness as h  # here, not at the top: the recipe imports this file for Explore, without bench/ on its path
+
+    args = tool_bench_args(h, __doc__, argv)
     out = h.RESULTS / "episodes_vs_trl"
     flags = ["--prompts_per_step", str(PROMPTS), "--num_generations", str(GENERATIONS), "--beta", "0.04",
              "--environment_factory", f"{Path(__file__).resolve()}:Explore", "--max_tool_calling_iterations",

@@ -368,3 +368,21 @@ def prompt_groups(groups) -> tuple[list[list[int]], list[list[bool]], list[int]]
             masks.append([False] * n + [True] * k)
             shared.append(n - 1)
     return seqs, masks, shared
+
+
+def eos_biased_engine(model_path: str, tokenizer, bias: float = 5.0):
+    """The real HF-generate backend on `model_path` with the EOS logit raised by `bias` (a bias on the copy's output
+    layer), so that the random tiny model's turns end and episodes get to their next turn."""
+    import torch
+
+    from verl_kit.models import load_causal_lm
+    from verl_kit.rollout import HFGenerateBackend
+
+    engine = HFGenerateBackend(load_causal_lm(model_path).eval(), tokenizer, "cpu", torch.float32)
+    head = engine.model.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    biased.weight.data.copy_(head.weight.data)
+    biased.bias.data.zero_()
+    biased.bias.data[tokenizer.eos_token_id] = bias
+    engine.model.lm_head = biased
+    return engine

@@ -15,10 +15,10 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import metrics, recipe_cmd, run
+from helpers import eos_biased_engine, metrics, recipe_cmd, run
 from test_episodes import Recording
 
-from verl_kit.rollout import AgentEpisodes, HFGenerateBackend, SamplingParams
+from verl_kit.rollout import AgentEpisodes, SamplingParams
 
 ROW = {"prompt": [{"role": "user", "content": "Add two and three. Be brief."}], "answer": "5"}
 
@@ -108,17 +108,8 @@ def agent_episodes(engine, tokenizer, seed: int | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def eos_engine(tiny_model_path, tokenizer):
-    """The HF-generate backend on the tiny model with its EOS logit raised by 5, so that turns end."""
-    from verl_kit.models import load_causal_lm
-
-    engine = HFGenerateBackend(load_causal_lm(tiny_model_path).eval(), tokenizer, "cpu", torch.float32)
-    head = engine.model.lm_head
-    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
-    biased.weight.data.copy_(head.weight.data)
-    biased.bias.data.zero_()
-    biased.bias.data[tokenizer.eos_token_id] = 5.0
-    engine.model.lm_head = biased
-    return engine
+    """HF generate on the tiny model, its EOS logit raised so that turns end."""
+    return eos_biased_engine(tiny_model_path, tokenizer)
 
 
 def test_agent_tokens_exact_hf_generate(eos_engine, tokenizer):

@@ -11,10 +11,20 @@ import time
 
 import pytest
 import torch
-from helpers import Scripted, add, assert_adapter_export, launch_cmd, metrics, numbers, recipe_cmd, run
+from helpers import (
+    Scripted,
+    add,
+    assert_adapter_export,
+    eos_biased_engine,
+    launch_cmd,
+    metrics,
+    numbers,
+    recipe_cmd,
+    run,
+)
 
 from verl_kit.errors import UserError
-from verl_kit.rollout import HFGenerateBackend, SamplingParams
+from verl_kit.rollout import SamplingParams
 from verl_kit.rollout.episodes import Episodes, check_prefix_property
 from verl_kit.rollout.prompts import episode_metrics
 from verl_kit.train.actor_critic import pack_responses
@@ -191,7 +201,7 @@ def test_multi_environment_rows_choose_their_environment(model, request):
     third, share = 1 / 3, float(ro.env_mask.sum() / ro.sequence_mask.sum())
     assert episode_metrics(ro, torch.tensor([1.0, 0.05, 2.0]), eps.environments) == pytest.approx({
         "tools/call_frequency": third, "tools/failure_frequency": 0.0, "episode/turns": 2.0,
-        "episode/env_token_share": share, "episode/env_errors": 0.0,
+        "episode/env_token_share": share, "episode/env_errors": 0.0, "episode/samples": 1.0,
         **{f"env/{name}/{k}": v for name, values in (("calc", (1.0, 1.0, 2.0)), ("kind", (0.05, 0.0, 3.0)),
                                                        ("strict", (2.0, 0.0, 1.0)))
            for k, v in zip(("reward_mean", "tool_call_frequency", "turns"), values)},
@@ -304,15 +314,7 @@ def test_episode_tokens_exact_hf_generate(tiny_model_path, tokenizer):
     the first prefills only what the episode added (keep_prefixes: the KV cache of the turn before, masked holes and
     all): the same episodes, log-probs within 1e-5, as when every turn prefills the whole episode, and fewer tokens
     through the model."""
-    from verl_kit.models import load_causal_lm
-
-    engine = HFGenerateBackend(load_causal_lm(tiny_model_path).eval(), tokenizer, "cpu", torch.float32)
-    head = engine.model.lm_head
-    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
-    biased.weight.data.copy_(head.weight.data)
-    biased.bias.data.zero_()
-    biased.bias.data[tokenizer.eos_token_id] = 5.0
-    engine.model.lm_head = biased
+    engine = eos_biased_engine(tiny_model_path, tokenizer)
     fed = []
     engine.model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True)
     rec = Recording(engine)

@@ -155,8 +155,10 @@ class AgentEpisodes:
         running = asyncio.run_coroutine_threadsafe(self._run_all(eps), self._loop)
         try:
             self._serve(eps, params)
-        finally:
-            running.result()  # every episode has ended (each within its timeout)
+        except BaseException:
+            running.cancel()  # the run stops: its agents with it
+            raise
+        running.result()  # every episode has ended (each within its timeout)
         return self.to_rollout(eps)
 
     def _serve(self, eps: list[_Episode], params: SamplingParams) -> None:

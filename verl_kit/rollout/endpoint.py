@@ -135,7 +135,8 @@ class Endpoint:
                 size = MAX_BODY + 1
             if size > MAX_BODY or size < 0:
                 handler.close_connection = True
-                raise EndpointError(400, f"Content-Length {handler.headers.get('Content-Length')!r}: at most {MAX_BODY}")
+                raise EndpointError(400, f"Content-Length {handler.headers.get('Content-Length')!r}: at most "
+                                         f"{MAX_BODY}")
             raw = handler.rfile.read(size) if size else b""  # read first: the connection is kept for the next one
             episode = self._episode(handler)
             if method == "GET" and path == "/v1/models":

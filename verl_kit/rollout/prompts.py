@@ -43,20 +43,21 @@ def rollout_metrics(ro: Rollout, scored: Scores, step_seconds: float, environmen
     calls per call), episode/turns (assistant turns per episode) and episode/env_token_share (the response tokens the
     environment inserted), and per environment of the multi-environment form (`environments`, the same names on every
     process: Rollouts.environments) env/<name>/*. response_length counts the sampled tokens. Each reward source's own
-    scores (`scored.sources`) as TRL's rewards/<name>/mean and rewards/<name>/std."""
-    lengths, scores = ro.response_mask.sum(-1), scored.total
-    sources = {"score": scores, **{f"rewards/{k}": v for k, v in scored.sources.items()}}
-    t = reduce_metrics({"n": len(scores), **{k: v.sum() for k, v in sources.items()},
+    scores (`scored.sources`) as TRL's rewards/<name>/mean and rewards/<name>/std. The reward statistics are per
+    episode, the lengths per training sample (an --agent's episode may hold several)."""
+    lengths, scores, first = ro.response_mask.sum(-1), scored.total, ro.first_rows()
+    sources = {"score": scores[first], **{f"rewards/{k}": v[first] for k, v in scored.sources.items()}}
+    t = reduce_metrics({"n": len(first), "rows": len(lengths), **{k: v.sum() for k, v in sources.items()},
                         **{f"{k}_sq": (v.double() ** 2).sum() for k, v in sources.items()},
                         "tokens": lengths.sum(), "truncated": ro.truncated.sum(),
                         "prompt_tokens": sum(len(p) for p in ro.prompt_ids)}, {"max_length": lengths.max()})
-    n = t["n"]
+    n, rows = t["n"], t["rows"]
     mean = {k: t[k] / n for k in sources}
     std = {k: max(t[f"{k}_sq"] / n - mean[k] ** 2, 0.0) ** 0.5 for k in sources}
     return {"reward/mean": mean["score"], "reward/std": std["score"],
             **{f"{k}/{stat}": v[k] for k in sources if k != "score" for stat, v in (("mean", mean), ("std", std))},
-            "response_length/mean": t["tokens"] / n, "response_length/max": t["max_length"],
-            "response_length/clip_ratio": t["truncated"] / n,
+            "response_length/mean": t["tokens"] / rows, "response_length/max": t["max_length"],
+            "response_length/clip_ratio": t["truncated"] / rows,
             "perf/tokens_per_s": (t["tokens"] + t["prompt_tokens"]) / step_seconds,
             **episode_metrics(ro, scores, environments)}
 
