@@ -10,6 +10,7 @@ the loss (--mask_truncated_completions), DAPO's dynamic sampling (--dynamic_samp
     python recipes/grpo.py --config recipes/configs/grpo_tiny.yaml --advantage_estimator rloo
     python recipes/grpo.py --rollout vllm                   # a vLLM engine in the process generates
     python recipes/grpo.py --rollout vllm --async_rollout   # ... the next batch while the trainer updates
+    python recipes/grpo.py --config recipes/configs/grpo_calc_agent.yaml   # an OpenAI-SDK agent (docs/agents.md)
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/grpo.py
     make cluster-run RECIPE=recipes/grpo.py CONFIG=recipes/configs/grpo_tiny.yaml NODES=2
 

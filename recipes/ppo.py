@@ -8,6 +8,7 @@ forward passes.
     python recipes/ppo.py --rollout vllm-server            # the run starts its own server, with its own key
     VLLM_API_KEY=$(cat ~/.cache/verl_kit/vllm-serve/8000.key) python recipes/ppo.py --rollout vllm-server \
         --vllm_server_url http://127.0.0.1:8000             # after `make vllm-serve` (it prints this line)
+    python recipes/ppo.py --agent examples/agents.py:calculator ...   # an OpenAI-SDK agent's episodes (docs/agents.md)
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/ppo.py
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 8 recipes/ppo.py \
         --config recipes/configs/ppo_gpu.yaml
