@@ -31,6 +31,7 @@ from torch import nn
 
 from verl_kit.config import TrainConfig
 from verl_kit.errors import UserError
+from verl_kit.models import fsdp2
 from verl_kit.models.loading import (
     chat_template_kwargs,
     check_shared_tokenizer,
@@ -38,7 +39,7 @@ from verl_kit.models.loading import (
     load_tokenizer,
     resolve_model_path,
 )
-from verl_kit.train.distributed import all_reduce_max, zero_stage
+from verl_kit.train.distributed import all_reduce_max, sharding, zero_stage
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ logger = logging.getLogger(__name__)
 # one rollout (1 by default, 8 at 2 x 4): one bad rollout stays under the bound. Megatron stops at the first NaN
 # (--check-for-nan-in-loss-and-grad); PyTorch's GradScaler never stops (fp16 overflow is routine there, not here).
 MAX_NONFINITE_SKIPS = 10
+# The run's Trainables sharded with FSDP2, in the order they were built: accelerate does not hold them (they are not
+# prepared), so checkpoint.py saves and loads their model and optimizer state itself.
+FSDP2_TRAINABLES: list[Trainable] = []
 
 
 class Trainable:
@@ -59,11 +63,18 @@ class Trainable:
         from transformers import get_scheduler
 
         self.accelerator, self.max_grad_norm = accelerator, cfg.max_grad_norm
+        self.fsdp2 = sharding(accelerator) == "fsdp2"
+        if self.fsdp2:  # sharded before the optimizer is built: it holds the DTensor shards
+            model = fsdp2.shard(model, accelerator.device, accelerator.mixed_precision == "bf16")
         trained = [p for p in model.parameters() if p.requires_grad]  # a LoRA model: the adapter (and any head)
         optimizer = torch.optim.AdamW(trained, lr=learning_rate, weight_decay=cfg.weight_decay)
         self.scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, int(cfg.warmup_ratio * total_steps),
                                        total_steps)
-        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        if self.fsdp2:  # not prepared: accelerate would wrap it in DDP; checkpointed by checkpoint.py itself
+            self.model, self.optimizer = model, optimizer
+            FSDP2_TRAINABLES.append(self)
+        else:
+            self.model, self.optimizer = accelerator.prepare(model, optimizer)
         accelerator.register_for_checkpointing(self.scheduler)  # stepped here: accelerate would step it per process
         self.deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
         self.nonfinite_skips = 0  # optimizer steps skipped for a non-finite loss or gradient norm, since the start
@@ -80,6 +91,10 @@ class Trainable:
                 yield chunk
                 continue
             self.accelerator.sync_gradients = last
+            if self.fsdp2:  # gradients reduce-scattered on the last micro-batch only
+                self.model.set_requires_gradient_sync(last)
+                yield chunk
+                continue
             with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
                 yield chunk
 
@@ -115,7 +130,11 @@ class Trainable:
                                 "longer finite. Enable its check (bf16.check_grad_overflow true in the DeepSpeed "
                                 "config) so that such a step is skipped")
         else:
-            norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            if self.fsdp2:  # the norm of DTensor gradients is a DTensor, reduced over the shards
+                norm = float(fsdp2.full_tensor(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)))
+            else:
+                norm = float(self.accelerator.clip_grad_norm_(params, self.max_grad_norm))
             skipped = bool(all_reduce_max(float(not math.isfinite(norm))))
             if not skipped:
                 self.optimizer.step()
@@ -154,6 +173,9 @@ def frozen(accelerator, loader):
     """Build a frozen model with `loader()` and place it: under ZeRO-3 a DeepSpeed inference engine over its shards
     (every process must then run the same number of forward passes; 1/world of its size per process, as TRL's
     prepare_deepspeed does), otherwise a plain module on the device."""
+    if sharding(accelerator) == "fsdp2":
+        model = loader().requires_grad_(False)
+        return fsdp2.shard(model, accelerator.device, accelerator.mixed_precision == "bf16").eval()
     if zero_stage(accelerator) == 3:
         import deepspeed
 
