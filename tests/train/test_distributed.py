@@ -1,5 +1,5 @@
 """Multi-process runs for real (accelerate launch, DeepSpeed, gloo over loopback in a private network namespace):
-ZeRO-3 shards the parameters and matches one process; every CPU-capable accelerate config runs; and a run killed
+ZeRO-3 and FSDP2 shard the parameters and match one process; every CPU-capable accelerate config runs; and a run killed
 with SIGKILL after a checkpoint, resumed with `auto`, ends bit-identical to an uninterrupted run."""
 
 import pytest
@@ -44,6 +44,21 @@ def test_zero3_two_processes_shards_and_matches_single_process(tmp_path, single_
     assert_matches_single(out, single_run, 2)
     exported = load_weights(out / "final")  # ZeRO-3 shards gathered into one HF checkpoint
     assert sum(t.numel() for t in exported.values()) == head["params/total"]
+
+
+def test_fsdp2_two_processes_shards_and_matches_single_process(tmp_path, single_run):
+    """accelerate_configs/fsdp2.yaml: torch's fully_shard per decoder layer and root (each rank holds half of every
+    parameter), the same step-1 gradient norm and later losses as one process, and the shards gathered into one HF
+    export. Before FSDP2 was supported the same launch ran as DDP (params/local == params/total)."""
+    out = tmp_path / "fsdp2"
+    run(launch_cmd("fsdp2.yaml", 2, "dpo.py",
+                   ["--output_dir", str(out), "--per_device_train_batch_size", "4", *COMMON]), timeout=300)
+    head = metrics(out)[0]
+    assert head["params/local"] <= 0.55 * head["params/total"]
+    assert_matches_single(out, single_run, 2)
+    exported, single = load_weights(out / "final"), load_weights(single_run / "final")
+    assert exported.keys() == single.keys() and sum(t.numel() for t in exported.values()) == head["params/total"]
+    assert max(float((exported[k] - single[k]).abs().max()) for k in single) < 1e-4
 
 
 def test_token_budget_microbatches_match(tmp_path, single_run):

@@ -227,8 +227,8 @@ def uses_block_mask(model) -> bool:
 
 
 def export_hf(accelerator, model, tokenizer, out_dir: str) -> None:
-    """Write the model (ZeRO-3 or FSDP2 shards gathered) as safetensors + tokenizer to `out_dir`, atomically and durably: into
-    `out_dir.tmp`, synced, then renamed in, an earlier `out_dir` renamed aside first and deleted last
+    """Write the model (ZeRO-3 or FSDP2 shards gathered) as safetensors + tokenizer to `out_dir`, atomically and
+    durably: into `out_dir.tmp`, synced, then renamed in, an earlier `out_dir` renamed aside first and deleted last
     (durable.replace_dir). A write that fails (no space) is one line, the earlier `out_dir` intact. A LoRA model:
     the adapter in `out_dir`, the merged model in `out_dir/merged` (verl_kit.models.lora.export_adapter)."""
 

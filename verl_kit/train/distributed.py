@@ -17,9 +17,9 @@ import torch
 
 from verl_kit.config import TrainConfig
 from verl_kit.data.packing import split_by_tokens
-from verl_kit.models import fsdp2
 from verl_kit.errors import UserError
 from verl_kit.metrics import check_writable, setup_logging
+from verl_kit.models import fsdp2
 from verl_kit.train.output_dir import check_output_dir
 
 logger = logging.getLogger(__name__)
