@@ -102,3 +102,34 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # A LoRA run checkpoints what it trains (the base weights come from --model_name_or_path again)
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """The trained parameters and optimizer state of a sharded model into the folder `path` with torch distributed
+    checkpointing: every process writes its own shards (no gather), `.metadata` last. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=_state_options())
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Restore what save_sharded wrote into the same sharding (each process reads its shards; a name the
+    checkpoint lacks raises). Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # get_state_dict fills an unstepped optimizer's moments with zeros first, so that there are slots to load into
+    model_state, optim_state = get_state_dict(model, optimizer, options=_state_options())
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_state_options())
