@@ -17,16 +17,28 @@ from torch import nn
 
 from verl_kit.errors import UserError
 
+# fsdp_config keys the kit does not implement, each refused in one line rather than silently ignored
+_REFUSED = {"FSDP_OFFLOAD_PARAMS": "fsdp_offload_params true: the kit's FSDP2 keeps parameters on the device; for CPU "
+                                   "offload use accelerate_configs/zero3_offload.yaml",
+            "FSDP_ACTIVATION_CHECKPOINTING": "fsdp_activation_checkpointing true: use the recipe's "
+                                             "--gradient_checkpointing true instead"}
+
 
 def enabled() -> bool:
     """Whether this process was launched with an FSDP accelerate config (accelerate launch exports the yaml's
-    fsdp_config as FSDP_* variables). FSDP1 is refused in one line: the kit shards with FSDP2 only."""
+    fsdp_config as FSDP_* variables). FSDP1, parameter offload and FSDP's own activation checkpointing are refused
+    in one line. fsdp_state_dict_type and fsdp_cpu_ram_efficient_loading are read as the kit does it: checkpoints
+    are always sharded (torch distributed checkpointing), exports always full, and every process loads the model
+    before it is sharded."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
         return False
     version = os.environ.get("FSDP_VERSION", "1")
     if version != "2":
         raise UserError(f"accelerate config: fsdp_version {version} is not supported; the kit shards with FSDP2 "
                         "(fsdp_version: 2, see accelerate_configs/fsdp2.yaml)")
+    for var, why in _REFUSED.items():
+        if os.environ.get(var, "false").lower() == "true":
+            raise UserError(f"accelerate config: {why}")
     return True
 
 
