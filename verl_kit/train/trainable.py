@@ -1,5 +1,5 @@
-"""Models placed for training or inference on any backend (one process, DDP, DeepSpeed ZeRO-2/3): the one place where
-an optimizer step happens.
+"""Models placed for training or inference on any backend (one process, DDP, DeepSpeed ZeRO-2/3, FSDP2): the one place
+where an optimizer step happens.
 
 Trainable  a model with its own AdamW, LR schedule and (under DeepSpeed) its own engine. Every recipe drives every
            trained model the same way:
@@ -8,8 +8,11 @@ Trainable  a model with its own AdamW, LR schedule and (under DeepSpeed) its own
                grad_norm = model.step()                  # clip, update, zero, advance the schedule
            A step whose loss or gradient norm is not finite is skipped on every process (nothing reaches the
            weights or the optimizer state), counted in `nonfinite_skips`; MAX_NONFINITE_SKIPS in a row stop the run.
-frozen()   a model that is only run forward (reference, reward model): a ZeRO-3 inference engine over its shards, or
-           a plain module on the device.
+frozen()   a model that is only run forward (reference, reward model): a ZeRO-3 inference engine over its shards,
+           fully_shard-ed under FSDP2, or a plain module on the device.
+
+Under FSDP2 (models/fsdp2.py) a Trainable is sharded by the kit, not prepared by accelerate (which would wrap it in
+DDP): its model and optimizer are checkpointed by train/checkpoint.py with torch distributed checkpointing.
 
 Several Trainables can live in one run (PPO's actor and critic): each is made by its own `accelerator.prepare(model,
 optimizer)` with the same DeepSpeed plugin, so each has its own optimizer, clipping norm and grad norm, and
@@ -172,7 +175,8 @@ class Trainable:
 def frozen(accelerator, loader):
     """Build a frozen model with `loader()` and place it: under ZeRO-3 a DeepSpeed inference engine over its shards
     (every process must then run the same number of forward passes; 1/world of its size per process, as TRL's
-    prepare_deepspeed does), otherwise a plain module on the device."""
+    prepare_deepspeed does), under FSDP2 fully_shard-ed the same way as a trained model (the same lockstep),
+    otherwise a plain module on the device."""
     if sharding(accelerator) == "fsdp2":
         model = loader().requires_grad_(False)
         return fsdp2.shard(model, accelerator.device, accelerator.mixed_precision == "bf16").eval()
