@@ -2,7 +2,7 @@
 
     python bench/dpo_vs_trl.py                  # the whole comparison (a few minutes on 2 CPU cores)
     python bench/dpo_vs_trl.py --rounds 1 --skip_state_bytes   # quicker, noisier
-    python bench/dpo_vs_trl.py --state_bytes_only              # only the ZeRO-3 / DDP model state
+    python bench/dpo_vs_trl.py --state_bytes_only              # only the ZeRO-3 / FSDP2 / DDP model state
 
 Ours padded and packed against TRL 1.16 DPOTrainer padded (it has no padding-free DPO), reference log-probs
 precomputed on both sides, so a step is one policy forward + backward + AdamW step (bench/README.md has the method).
@@ -23,19 +23,22 @@ ROLES = [("parameters", "param_bytes"), ("DeepSpeed's separate fp32 master copy"
          ("total", "model_state_bytes")]
 
 
-def zero3_vs_ddp(args, model_dir: str) -> tuple[dict, list[str], list[str]]:
-    """ZeRO-3 x2 against DDP x2: results, the per-role lines (the rank holding the most) and the summary line."""
-    sb = h.state_bytes(h.RESULTS / "dpo_vs_trl", model_dir, {"zero3": ("zero3.yaml", []), "ddp": ("ddp.yaml", [])},
-                       args.run_timeout_s)
+def sharded_vs_ddp(args, model_dir: str) -> tuple[dict, list[str], list[str]]:
+    """ZeRO-3 x2 and FSDP2 x2 against DDP x2: results, the per-role lines (the rank holding the most) and the summary
+    lines."""
+    runs = {"zero3": ("zero3.yaml", []), "fsdp2": ("fsdp2.yaml", []), "ddp": ("ddp.yaml", [])}
+    sb = h.state_bytes(h.RESULTS / "dpo_vs_trl", model_dir, runs, args.run_timeout_s)
     peak = {n: max(s["ranks"], key=lambda r: r["model_state_bytes"]) for n, s in sb.items()}
-    ratio = peak["zero3"]["model_state_bytes"] / peak["ddp"]["model_state_bytes"]
+    ratio = {n: peak[n]["model_state_bytes"] / peak["ddp"]["model_state_bytes"] for n in ("zero3", "fsdp2")}
     no_master = (peak["zero3"]["model_state_bytes"] - peak["zero3"]["master_bytes"]) / peak["ddp"]["model_state_bytes"]
-    notes = [f"{'model state per rank, MiB, after the last backward, before the update':70s}   zero3     ddp"]
-    notes += [f"  {label:68s} {peak['zero3'][k] / 2**20:7.2f} {peak['ddp'][k] / 2**20:7.2f}" for label, k in ROLES]
-    line = h.summary_line("zero3_state_bytes_vs_ddp", ratio, f"(without DeepSpeed's separate fp32 master copy "
-                          f"{no_master:.3f})  target <= 0.55")
-    return ({"state_bytes": sb, "zero3_state_bytes_vs_ddp": ratio,
-             "zero3_state_bytes_vs_ddp_without_master": no_master}, notes, [line])
+    notes = [f"{'model state per rank, MiB, after the last backward, before the update':70s}   zero3   fsdp2     ddp"]
+    notes += [f"  {label:68s} " + " ".join(f"{peak[n][k] / 2**20:7.2f}" for n in runs) for label, k in ROLES]
+    lines = [h.summary_line("zero3_state_bytes_vs_ddp", ratio["zero3"], f"(without DeepSpeed's separate fp32 master "
+                            f"copy {no_master:.3f})  target <= 0.55"),
+             h.summary_line("fsdp2_state_bytes_vs_ddp", ratio["fsdp2"], "target <= 0.55")]
+    return ({"state_bytes": sb, "zero3_state_bytes_vs_ddp": ratio["zero3"],
+             "zero3_state_bytes_vs_ddp_without_master": no_master, "fsdp2_state_bytes_vs_ddp": ratio["fsdp2"]},
+            notes, lines)
 
 
 def main(argv=None):
@@ -44,7 +47,7 @@ def main(argv=None):
     p.add_argument("--state_bytes_only", action="store_true")
     args = p.parse_args(argv)
     if args.state_bytes_only:
-        extra, notes, more = zero3_vs_ddp(args, h.build_model())
+        extra, notes, more = sharded_vs_ddp(args, h.build_model())
         print("\n".join(["", *notes, f"results: {h.save_results('dpo_vs_trl_state_bytes', extra)}", *more]))
         return
     from verl_kit.data import preference_examples
@@ -52,7 +55,7 @@ def main(argv=None):
     s = h.prepare("dpo_vs_trl", args)
     lay = h.layouts(s, args.packing_length, preference_examples, h.preference_sequences)
     runs = h.ours_vs_peer(s, args, "dpo.py", DPO, "dpo_vs_trl.py", lay)
-    extra, notes, more = zero3_vs_ddp(args, s.model_dir) if not args.skip_state_bytes else ({}, [], [])
+    extra, notes, more = sharded_vs_ddp(args, s.model_dir) if not args.skip_state_bytes else ({}, [], [])
     h.report(s, args, "DPO vs TRL", "pairs", runs, {"ours_padded": lay["padded"], "ours_packed": lay["packed"]},
              [("dpo_padded_vs_trl", "ours_padded", "trl_padded", "target 1.0 +-5%"),
               ("dpo_packed_vs_trl", "ours_packed", "trl_padded", "target >= 1.5")], argv, extra, notes, more)

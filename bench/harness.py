@@ -622,7 +622,7 @@ def state_worker(argv: list[str]) -> None:
 
     from verl_kit.config import TrainConfig
     from verl_kit.models import load_causal_lm, with_lora
-    from verl_kit.train import Trainable, destroy, make_accelerator, zero_stage
+    from verl_kit.train import Trainable, destroy, make_accelerator, sharding, zero_stage
 
     cfg = TrainConfig(model_name_or_path=a.model, output_dir=os.path.join(os.path.dirname(a.out), "state_out"),
                       per_device_train_batch_size=2, use_peft=a.lora, **(LORA if a.lora else {}))
@@ -650,12 +650,16 @@ def state_worker(argv: list[str]) -> None:
                  [ds.grad_partitions_flat_buffer] + [q.grad for q in params]
                  + [f.grad for f in ds.fp32_partitioned_groups_flat], adam(ds.optimizer)]
         gathered = [q.data for q in params if not q.ds_persist]
-    else:
+    else:  # DDP, or FSDP2: each DTensor's local shard (what this rank holds)
+        from torch.distributed.tensor import DTensor
+
+        local = lambda ts: [t.to_local() if isinstance(t, DTensor) else t for t in ts if t is not None]
         opt = getattr(policy.optimizer, "optimizer", policy.optimizer)
-        roles, gathered = [[q.data for q in trained], [q.data for q in frozen], [], [q.grad for q in params],
-                           adam(opt)], []
+        roles, gathered = [local(q.data for q in trained), local(q.data for q in frozen), [],
+                           local(q.grad for q in params), local(adam(opt))], []
     numel = lambda qs: sum(getattr(q, "ds_numel", q.numel()) for q in qs)
-    mine = {"rank": accelerator.process_index, "zero_stage": zero_stage(accelerator), "params": numel(params),
+    mine = {"rank": accelerator.process_index, "zero_stage": zero_stage(accelerator),
+            "sharding": sharding(accelerator), "params": numel(params),
             "trainable_params": numel(trained), "persistent_params": numel(q for q in params if getattr(
                 q, "ds_persist", False)), "full_param_bytes": sum(numel([q]) * q.element_size() for q in params)}
     seen = set()

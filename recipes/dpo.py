@@ -5,6 +5,7 @@ ZeRO-3, with sequence packing.
     python recipes/dpo.py                                   # one process, embedded tiny model and task
     python recipes/dpo.py --config recipes/configs/dpo_tiny.yaml --learning_rate 1e-3
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/dpo.py
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 recipes/dpo.py   # or PyTorch FSDP2
     make cluster-run RECIPE=recipes/dpo.py CONFIG=recipes/configs/dpo_tiny.yaml NODES=2
 
 The reference model is the initial policy: its log-probs are computed once, before the first update (and again on

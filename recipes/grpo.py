@@ -12,6 +12,7 @@ the loss (--mask_truncated_completions), DAPO's dynamic sampling (--dynamic_samp
     python recipes/grpo.py --rollout vllm --async_rollout   # ... the next batch while the trainer updates
     python recipes/grpo.py --config recipes/configs/grpo_calc_agent.yaml   # an OpenAI-SDK agent (docs/agents.md)
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/grpo.py
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 recipes/grpo.py   # or PyTorch FSDP2
     make cluster-run RECIPE=recipes/grpo.py CONFIG=recipes/configs/grpo_tiny.yaml NODES=2
 
 The embedded task is PPO's (recipes/ppo.py): 1/4 per different kind adjective in the reply, up to four.

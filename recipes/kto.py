@@ -3,6 +3,7 @@
     python recipes/kto.py                                   # one process, embedded tiny model, paired task unpaired
     python recipes/kto.py --config recipes/configs/kto_tiny.yaml --desirable_weight 1.33
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/kto.py
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 recipes/kto.py   # or PyTorch FSDP2
     make cluster-run RECIPE=recipes/kto.py CONFIG=recipes/configs/kto_tiny.yaml NODES=2
 
 KTO learns from single completions labelled desirable or undesirable (TRL's unpaired format: prompt, completion,

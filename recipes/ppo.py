@@ -10,6 +10,7 @@ forward passes.
         --vllm_server_url http://127.0.0.1:8000             # after `make vllm-serve` (it prints this line)
     python recipes/ppo.py --agent examples/agents.py:calculator ...   # an OpenAI-SDK agent's episodes (docs/agents.md)
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/ppo.py
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 recipes/ppo.py   # or PyTorch FSDP2
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 8 recipes/ppo.py \
         --config recipes/configs/ppo_gpu.yaml
     make cluster-run RECIPE=recipes/ppo.py CONFIG=recipes/configs/ppo_tiny.yaml NODES=2

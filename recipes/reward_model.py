@@ -3,6 +3,7 @@
     python recipes/reward_model.py                          # one process, embedded tiny model and preference task
     python recipes/reward_model.py --config recipes/configs/reward_model_tiny.yaml --learning_rate 1e-3
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/reward_model.py
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 recipes/reward_model.py  # FSDP2
     make cluster-run RECIPE=recipes/reward_model.py CONFIG=recipes/configs/reward_model_tiny.yaml NODES=2
 
 The data and its loader are DPO's (prompt?, chosen, rejected; verl_kit.data.preference_examples), plus TRL's optional

@@ -3,6 +3,7 @@
     python recipes/sft.py                                   # one process, embedded tiny model and SFT task
     python recipes/sft.py --config recipes/configs/sft_tiny.yaml --learning_rate 1e-3
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/sft.py
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 recipes/sft.py   # or PyTorch FSDP2
     make cluster-run RECIPE=recipes/sft.py CONFIG=recipes/configs/sft_tiny.yaml NODES=2
 
 Data in TRL's SFT formats as they are: `text`, `prompt` + `completion`, or `messages` rendered with the tokenizer's

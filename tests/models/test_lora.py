@@ -159,6 +159,35 @@ def test_dpo_lora_zero3_matches_one_process_and_learns(tmp_path):
         assert_adapter_export(tmp_path / k / "final")
 
 
+def test_dpo_lora_tied_fsdp2_shards_and_exports(tmp_path, tiny_tied_path):
+    """Fast-tier FSDP2 smoke run: DPO with an adapter on the tied tiny model under accelerate_configs/fsdp2.yaml x2
+    shards every parameter (each rank holds about half; the same launch ran as unsharded DDP before FSDP2 support)
+    and ends with an adapter export that peft loads and a merged model with the same outputs."""
+    out = tmp_path / "fsdp2"
+    run(launch_cmd("fsdp2.yaml", 2, "dpo.py", ["--output_dir", str(out), "--model_name_or_path", tiny_tied_path,
+                                                "--per_device_train_batch_size", "4", "--dataset_test_split", "none",
+                                                *QUICK, *LORA, "--learning_rate", "1e-2"]), timeout=300)
+    head = metrics(out)[0]
+    assert head["world_size"] == 2 and head["params/local"] <= 0.55 * head["params/total"], head
+    assert_adapter_export(out / "final")
+
+
+@pytest.mark.slow
+def test_dpo_lora_tied_fsdp2_matches_one_process(tmp_path, tiny_tied_path):
+    """An adapter on the tied tiny model (base frozen, embedding = output layer): FSDP2 x2 (4 pairs per process)
+    gives one process's (8 pairs) step-1 gradient norm and step-3 loss."""
+    args = ["--model_name_or_path", tiny_tied_path, *LORA, "--max_steps", "3", "--logging_steps", "1",
+            "--dataset_test_split", "none", "--learning_rate", "1e-2", "--seed", "3"]
+    run(recipe_cmd("dpo.py", ["--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "8", *args]))
+    run(launch_cmd("fsdp2.yaml", 2, "dpo.py", ["--output_dir", str(tmp_path / "f2"),
+                                                "--per_device_train_batch_size", "4", *args]), timeout=300)
+    one, f2 = ({r["step"]: r for r in metrics(tmp_path / k)} for k in ("one", "f2"))
+    print({s: (one[s]["loss"], f2[s]["loss"], one[s]["grad_norm"], f2[s]["grad_norm"]) for s in (1, 2, 3)})
+    assert f2[0]["params/local"] <= 0.55 * f2[0]["params/total"]
+    assert f2[1]["grad_norm"] == pytest.approx(one[1]["grad_norm"], rel=1e-4)
+    assert f2[3]["loss"] == pytest.approx(one[3]["loss"], abs=1e-4) and one[3]["loss"] != one[1]["loss"]
+
+
 def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     """The model tensors a checkpoint holds: accelerate's model.safetensors (one process), or every rank's DeepSpeed
     module state and ZeRO-3 frozen-parameter fragments (only the non-empty ones: ZeRO-3 leaves placeholders)."""

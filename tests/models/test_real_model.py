@@ -137,13 +137,15 @@ def test_missing_gguf_is_a_one_line_user_error(tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
 
 
-def test_dpo_zero3_two_processes_exports_tied(smollm2_path, tmp_path):
+@pytest.mark.parametrize("config", ["zero3.yaml", "fsdp2.yaml"])
+def test_dpo_sharded_two_processes_exports_tied(smollm2_path, tmp_path, config):
+    """SmolLM2 (tied embeddings) under ZeRO-3 or FSDP2 x2: the exported model is tied, trained, and loads."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "dpo"
     t0 = time.time()
-    run(launch_cmd("zero3.yaml", 2, "dpo.py", [
+    run(launch_cmd(config, 2, "dpo.py", [
         "--model_name_or_path", "smollm2-135m", "--output_dir", str(out), "--per_device_train_batch_size", "2",
         "--max_steps", "2", "--logging_steps", "1", "--dataset_train_split", "train[:8]", "--dataset_test_split",
         "none", "--max_length", "128", "--max_prompt_length", "96", "--gradient_checkpointing", "false"]),

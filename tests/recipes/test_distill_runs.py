@@ -77,18 +77,21 @@ def _args(out, teacher, *extra):
 
 
 @pytest.mark.slow
-def test_jsd_lora_resume_bit_identical_and_zero3_equals_one_process(teacher, tmp_path):
+def test_jsd_lora_resume_bit_identical_and_sharded_equals_one_process(teacher, tmp_path):
     """One process, --loss_type jsd, LoRA student: run B, SIGKILLed once checkpoint-2 is complete and resumed, ends
-    with the same adapter as run A bit for bit. Then 2 processes under ZeRO-3 (student engine, sharded teacher)
-    give A's held-out and step metrics (same greedy samples; sums in another order)."""
+    with the same adapter as run A bit for bit. Then 2 processes under ZeRO-3 (student engine, sharded teacher) and
+    under FSDP2 (student and teacher fully_shard-ed) give A's held-out and step metrics (same greedy samples; sums
+    in another order)."""
     a, b = tmp_path / "a", tmp_path / "b"
     assert_resume_bit_identical(lambda out, *x: recipe_cmd("distill.py", _args(out, teacher, *x)), a, b, 2,
                                 weights="adapter_model.safetensors", compare_steps=(3, 4))
-    z = tmp_path / "zero3"
-    run(launch_cmd("zero3.yaml", 2, "distill.py", _args(z, teacher)), timeout=420)
-    one, two = numbers(a), numbers(z)
-    for step, keys in ((0, ["eval/teacher_kl"]), (1, ["teacher_kl", "actor/loss", "actor/entropy"]),
-                       (2, ["teacher_kl", "actor/loss", "eval/teacher_kl"])):
-        for k in keys:
-            assert two[step][k] == pytest.approx(one[step][k], rel=1e-3), (step, k, one[step][k], two[step][k])
+    for config in ("zero3.yaml", "fsdp2.yaml"):
+        z = tmp_path / config.removesuffix(".yaml")
+        run(launch_cmd(config, 2, "distill.py", _args(z, teacher)), timeout=420)
+        one, two = numbers(a), numbers(z)
+        for step, keys in ((0, ["eval/teacher_kl"]), (1, ["teacher_kl", "actor/loss", "actor/entropy"]),
+                           (2, ["teacher_kl", "actor/loss", "eval/teacher_kl"])):
+            for k in keys:
+                assert two[step][k] == pytest.approx(one[step][k], rel=1e-3), (config, step, k, one[step][k],
+                                                                               two[step][k])
     assert one[2]["teacher_kl"] != one[1]["teacher_kl"]  # the update changed the student

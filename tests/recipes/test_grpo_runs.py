@@ -84,6 +84,31 @@ def test_grpo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path
         assert r["episode/turns"] >= 1
 
 
+def _grpo_launch(config, out, *extra):
+    return launch_cmd(config, 2, "grpo.py", ["--config", TINY, "--output_dir", str(out), "--max_steps", "2",
+                                             "--prompts_per_step", "8", "--logging_steps", "1", "--dataset_test_split",
+                                             "none", "--learning_rate", "1e-2", *extra])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer, lora", [("zero3.yaml", False), ("ddp.yaml", True)])
+def test_grpo_fsdp2_tied_equals_peer(tmp_path, tiny_tied_path, peer, lora):
+    """GRPO on the tied tiny model, FSDP2 x2 against a peer x2 that draws the same samples (same per-rank seeds):
+    ZeRO-3 with a full model (the reference a frozen model sharded like the actor, the tied embedding one sharded
+    parameter, the rollout copy synced from the gathered shards), and DDP with an adapter (base frozen, the merged
+    weight computed on the DTensor shards). Rewards, KL, loss and gradient norms agree at both steps, so step 2
+    sampled from the synced step-1 weights."""
+    extra = ["--model_name_or_path", tiny_tied_path, *(["--use_peft", "--lora_r", "8", "--lora_alpha", "16",
+                                                        "--lora_dropout", "0"] if lora else [])]
+    run(_grpo_launch("fsdp2.yaml", tmp_path / "f2", *extra), timeout=300)
+    run(_grpo_launch(peer, tmp_path / "peer", *extra), timeout=300)
+    f2, peer_rows = numbers(tmp_path / "f2"), numbers(tmp_path / "peer")
+    for step in (1, 2):
+        for k in ("reward/mean", "kl", "actor/pg_loss", "actor/entropy", "grad_norm"):
+            assert f2[step][k] == pytest.approx(peer_rows[step][k], rel=1e-4, abs=1e-6), (step, k, f2, peer_rows)
+    assert f2[2]["kl"] > 0  # the policy moved away from the reference
+
+
 @pytest.mark.slow
 def test_grpo_variants_run(tmp_path):
     """Two GRPO steps on the tiny model with RLOO advantages, GSPO's sequence-level ratio, clip-higher, truncated

@@ -10,14 +10,14 @@ import sys
 import torch
 
 from verl_kit.config import TrainConfig
-from verl_kit.models import gathered_params, load_causal_lm
+from verl_kit.models import fsdp2, gathered_params, load_causal_lm
 from verl_kit.train import Trainable, destroy, make_accelerator
 
 
 def weights(model) -> tuple[float, bool]:
-    """(sum of every full parameter, all finite); gathered under ZeRO-3 (collective)."""
+    """(sum of every full parameter, all finite); gathered under ZeRO-3, all-gathered under FSDP2 (collective)."""
     with gathered_params(model):
-        ps = [p.detach().double() for p in model.parameters()]
+        ps = [fsdp2.full_tensor(p.detach()).double() for p in model.parameters()]
         return sum(float(p.sum()) for p in ps), all(bool(torch.isfinite(p).all()) for p in ps)
 
 

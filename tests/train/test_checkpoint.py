@@ -43,3 +43,19 @@ def test_resume_changes_and_the_override(tmp_path):
     assert check_run("ck", older, fingerprint(["--dataset_name", str(tmp_path / "a.jsonl"), "--seed", "1"]),
                      False) == []
     assert check_run("ck", None, other, False) == []
+
+
+def test_resume_refuses_another_sharding():
+    """The fingerprint records the sharding: a checkpoint written under ZeRO-3 or FSDP2 (files of their own) is refused
+    under the other or without sharding, in one line; one process and DDP (accelerate's whole-model files), or two
+    ZeRO stages, are not a change; a checkpoint saved before the sharding was recorded is not compared."""
+    from verl_kit.train import run_changes, run_fingerprint
+
+    cfg = parse([], **recipe_args("sft.py"))
+    fp = {s: run_fingerprint(cfg.train, cfg.flags(), s) for s in ("none", "ddp", "zero2", "zero3", "fsdp2")}
+    assert run_changes(fp["zero3"], fp["fsdp2"]) == ["the sharding (zero3 -> fsdp2: the accelerate config; its model "
+                                                     "and optimizer files do not load under the other)"]
+    assert run_changes(fp["fsdp2"], fp["ddp"]) and run_changes(fp["none"], fp["fsdp2"])
+    assert run_changes(fp["none"], fp["ddp"]) == run_changes(fp["zero2"], fp["zero3"]) == []
+    older = {k: v for k, v in fp["zero3"].items() if k != "sharding"}
+    assert run_changes(older, fp["fsdp2"]) == []

@@ -68,11 +68,13 @@ def _check_worker(steps: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_zero3_skips_on_every_process(tmp_path, tiny_model_path):
-    """ZeRO-3 on two processes (DeepSpeed's engine takes the decision on the global norm it reduces): step 2's NaN on
-    process 1 alone skips the step on both, step 3's inf loss with finite gradients too; steps 1 and 4 apply."""
-    out = tmp_path / "zero3.json"
-    run(launch_script("zero3.yaml", 2, "tests/train/nonfinite_worker.py", [tiny_model_path, str(out)]), timeout=400)
+@pytest.mark.parametrize("config", ["zero3.yaml", "fsdp2.yaml"])
+def test_sharded_skips_on_every_process(tmp_path, tiny_model_path, config):
+    """ZeRO-3 on two processes (DeepSpeed's engine takes the decision on the global norm it reduces), or FSDP2 (the
+    norm of the DTensor gradients, the flag reduced): step 2's NaN on process 1 alone skips the step on both, step
+    3's inf loss with finite gradients too; steps 1 and 4 apply."""
+    out = tmp_path / "sharded.json"
+    run(launch_script(config, 2, "tests/train/nonfinite_worker.py", [tiny_model_path, str(out)]), timeout=400)
     got = json.loads(out.read_text())
     assert got["world"] == 2
     _check_worker(got["steps"])

@@ -1,5 +1,5 @@
 """Model loading and export, the attention that packed rows run with (packed_attention), LoRA through peft, ZeRO-3
-context managers, the embedded tiny model and the packaged real model (smollm2-135m)."""
+context managers, FSDP2 sharding (models.fsdp2), the embedded tiny model and the packaged real model (smollm2-135m)."""
 
 from verl_kit.models.loading import (
     cache_dir,

@@ -15,6 +15,7 @@ import torch
 
 from verl_kit.durable import replace_dir, write_failure
 from verl_kit.errors import UserError
+from verl_kit.models import fsdp2
 from verl_kit.models.lora import export_adapter, peft_model, with_lora
 from verl_kit.models.packed_attention import SEGMENT_ATTENTION, implementation
 from verl_kit.models.real_model import SMOLLM2_DIR_NAME, SMOLLM2_NAME, check_gguf, smollm2_gguf_path
@@ -226,12 +227,12 @@ def uses_block_mask(model) -> bool:
 
 
 def export_hf(accelerator, model, tokenizer, out_dir: str) -> None:
-    """Write the model (ZeRO-3 shards gathered) as safetensors + tokenizer to `out_dir`, atomically and durably: into
-    `out_dir.tmp`, synced, then renamed in, an earlier `out_dir` renamed aside first and deleted last
+    """Write the model (ZeRO-3 or FSDP2 shards gathered) as safetensors + tokenizer to `out_dir`, atomically and
+    durably: into `out_dir.tmp`, synced, then renamed in, an earlier `out_dir` renamed aside first and deleted last
     (durable.replace_dir). A write that fails (no space) is one line, the earlier `out_dir` intact. A LoRA model:
     the adapter in `out_dir`, the merged model in `out_dir/merged` (verl_kit.models.lora.export_adapter)."""
 
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = fsdp2.full_state_dict(model) if fsdp2.is_sharded(model) else accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         tmp = out_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from verl_kit.models import lora
+from verl_kit.models import fsdp2, lora
 from verl_kit.models.zero3 import gathered_params
 from verl_kit.rollout.transport import SharedBuckets, encode
 
@@ -68,15 +68,17 @@ def buckets(model, bucket_bytes: int) -> list[list[tuple[list[str], torch.nn.Par
 def gathered_buckets(model, bucket_bytes: int) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, str]]]:
     """Yield each bucket as ({engine name: full tensor}, {alias: engine name}); a tied tensor is sent once, its other
     names ride along as aliases; a LoRA layer's weight is sent merged (W + scale * B @ A, gathered with its A and B).
-    The tensors are the parameters themselves, on their device (under ZeRO-3 the gathered ones): valid until the
-    next bucket is asked for, so the consumer copies them where they go (no copy in between). Collective under
-    ZeRO-3: every process iterates it to the end, in order."""
+    The tensors are the parameters themselves, on their device (under ZeRO-3 the gathered ones; under FSDP2 full
+    tensors all-gathered from the DTensor shards, the merge computed on the shards): valid until the next bucket is
+    asked for, so the consumer copies them where they go (no copy in between). Collective under ZeRO-3 and FSDP2:
+    every process iterates it to the end, in order."""
     adapted = lora.lora_layers(model)
     for bucket in buckets(model, bucket_bytes):
         extra = [q for _, p in bucket if id(p) in adapted for q in lora.adapter_params(adapted[id(p)])]
         with gathered_params(model, [p for _, p in bucket] + extra):
-            tensors = {engine_name(names[0]): (lora.merged_weight(adapted[id(p)], p.data) if id(p) in adapted
-                                               else p.data).detach() for names, p in bucket}
+            tensors = {engine_name(names[0]): fsdp2.full_tensor(
+                lora.merged_weight(adapted[id(p)], p.data) if id(p) in adapted else p.data).detach()
+                for names, p in bucket}
             aliases = {engine_name(a): engine_name(names[0]) for names, _ in bucket for a in names[1:]}
             yield tensors, aliases
 

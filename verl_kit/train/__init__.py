@@ -36,6 +36,7 @@ from verl_kit.train.distributed import (
     param_counts,
     reduce_metrics,
     shard,
+    sharding,
     step_indices,
     step_seed,
     steps_indices,

@@ -34,9 +34,11 @@ from verl_kit.config import TrainConfig
 from verl_kit.data.datasets import split_fingerprint
 from verl_kit.durable import fsync_tree, replace_dir, write_failure
 from verl_kit.errors import UserError
-from verl_kit.train.distributed import destroy, reduce_metrics
+from verl_kit.models import fsdp2
+from verl_kit.train.distributed import destroy, reduce_metrics, sharding
 from verl_kit.train.output_dir import STATE_FILE, clear, list_checkpoints, set_aside, sweep
 from verl_kit.train.preemption import STOP
+from verl_kit.train.trainable import FSDP2_TRAINABLES
 
 logger = logging.getLogger(__name__)
 # What the saved weights are: a checkpoint resumed under other values would load its base weights and adapter into a
@@ -93,10 +95,12 @@ def nonfinite_weights(accelerator) -> int:
     """How many trainable parameter tensors of this process's prepared models hold a NaN or an inf (under ZeRO-3, its
     own partition of each: `ds_tensor`). One pass over the weights, one sync per device they live on."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for model in accelerator._models:  # the models save_state writes
+    # the models save_state writes, and those sharded with FSDP2 (their DTensor's local shard)
+    for model in [*accelerator._models, *(t.model for t in FSDP2_TRAINABLES)]:
         for p in model.parameters():
             if p.requires_grad:
                 t = getattr(p, "ds_tensor", p).detach()
+                t = t.to_local() if hasattr(t, "to_local") else t
                 by_device.setdefault(t.device, []).append(torch.isfinite(t).all().logical_not())
     return sum(int(torch.stack(flags).sum()) for flags in by_device.values())
 
@@ -145,6 +149,8 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: d
     try:
         with _frozen_left_out(accelerator, model.get("use_peft")) as kwargs:
             accelerator.save_state(tmp, **kwargs)
+        for i, t in enumerate(FSDP2_TRAINABLES):  # not prepared, so not in save_state: shards by each process
+            fsdp2.save_sharded(t.model, t.optimizer, os.path.join(tmp, f"fsdp2_{i}"))
         if per_rank is not None:
             torch.save(per_rank.state_dict(), os.path.join(tmp, f"rank-{accelerator.process_index}.pt"))
     except Exception as e:  # a full disk; a bug raises on in _write_failed
@@ -198,6 +204,8 @@ def load_checkpoint(accelerator, path: str, model: dict, per_rank=None, run: dic
         check_run(path, state.get("run"), run, ignore_changes)
     with _frozen_left_out(accelerator, model.get("use_peft"), loading=path) as kwargs:
         accelerator.load_state(path, **kwargs)
+    for i, t in enumerate(FSDP2_TRAINABLES):
+        fsdp2.load_sharded(t.model, t.optimizer, os.path.join(path, f"fsdp2_{i}"))
     rank_file = os.path.join(path, f"rank-{accelerator.process_index}.pt")
     if per_rank is not None and os.path.isfile(rank_file):
         per_rank.load_state_dict(torch.load(rank_file))
@@ -293,8 +301,8 @@ def _restore(accelerator, cfg: TrainConfig, flags: dict, per_rank) -> tuple[str 
     for i, path in enumerate(paths):
         failure = ""
         try:
-            state = load_checkpoint(accelerator, path, model_flags(cfg), per_rank, run_fingerprint(cfg, flags),
-                                    cfg.resume_ignore_changes)
+            state = load_checkpoint(accelerator, path, model_flags(cfg), per_rank,
+                                    run_fingerprint(cfg, flags, sharding(accelerator)), cfg.resume_ignore_changes)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: what the fallback is for
@@ -327,7 +335,7 @@ def save_if_due(accelerator, cfg: TrainConfig, step: int, flags: dict, per_rank=
     path = None
     if stop or agreed["time"] or cfg.save_steps and step % cfg.save_steps == 0:
         path = save_checkpoint(accelerator, cfg.output_dir, step, cfg.save_total_limit, model_flags(cfg), per_rank,
-                               run_fingerprint(cfg, flags))
+                               run_fingerprint(cfg, flags, sharding(accelerator)))
     if stop:
         if callable(getattr(per_rank, "close", None)):
             per_rank.close()
@@ -338,13 +346,21 @@ def save_if_due(accelerator, cfg: TrainConfig, step: int, flags: dict, per_rank=
         sys.exit(128 + stop)
 
 
-def run_fingerprint(cfg: TrainConfig, flags: dict) -> dict:
+def run_fingerprint(cfg: TrainConfig, flags: dict, sharding: str = "none") -> dict:
     """What a resumed run must share with the checkpoint to continue the same training: `data`, the content hash of
-    the train split (data.split_fingerprint: the rows, in order, whatever the file is called), and `flags`, every
-    flag of the run (`flags`) but MODEL_FLAGS (checked on their own) and FREE_FLAGS, JSON values."""
+    the train split (data.split_fingerprint: the rows, in order, whatever the file is called), `flags`, every
+    flag of the run (`flags`) but MODEL_FLAGS (checked on their own) and FREE_FLAGS, JSON values, and `sharding`
+    (distributed.sharding: the backend that wrote the model and optimizer files)."""
     kept = {k: v for k, v in flags.items() if k not in FREE_FLAGS and k not in MODEL_FLAGS}
     return {"data": split_fingerprint(cfg.dataset_name, cfg.dataset_train_split, cfg.dataset_config),
-            "data_source": f"{cfg.dataset_name} {cfg.dataset_train_split}", "flags": json.loads(json.dumps(kept))}
+            "data_source": f"{cfg.dataset_name} {cfg.dataset_train_split}", "flags": json.loads(json.dumps(kept)),
+            "sharding": sharding}
+
+
+def _layout(sharding: str) -> str:
+    """The checkpoint files a sharding writes: torch distributed checkpoint shards (FSDP2), DeepSpeed's engine
+    files (any ZeRO stage), or accelerate's whole-model files (one process, DDP: interchangeable)."""
+    return "fsdp2" if sharding == "fsdp2" else "deepspeed" if sharding.startswith("zero") else "accelerate"
 
 
 def run_changes(saved: dict | None, now: dict) -> list[str]:
@@ -357,6 +373,9 @@ def run_changes(saved: dict | None, now: dict) -> list[str]:
     if saved.get("data") != now["data"]:
         out.append(f"the training data ({saved.get('data_source')} rows hash {saved.get('data')} -> "
                    f"{now['data_source']} {now['data']})")
+    if "sharding" in saved and _layout(saved["sharding"]) != _layout(now["sharding"]):
+        out.append(f"the sharding ({saved['sharding']} -> {now['sharding']}: the accelerate config; its model and "
+                   "optimizer files do not load under the other)")
     out += [f"--{k} {v} -> {now['flags'].get(k)}" for k, v in saved.get("flags", {}).items()
             if k in now["flags"] and now["flags"][k] != v]
     return out

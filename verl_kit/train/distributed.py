@@ -5,6 +5,7 @@ and every collective carries a timeout so a lost peer fails the run instead of h
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -18,6 +19,7 @@ from verl_kit.config import TrainConfig
 from verl_kit.data.packing import split_by_tokens
 from verl_kit.errors import UserError
 from verl_kit.metrics import check_writable, setup_logging
+from verl_kit.models import fsdp2
 from verl_kit.train.output_dir import check_output_dir
 
 logger = logging.getLogger(__name__)
@@ -53,16 +55,18 @@ def make_accelerator(cfg: TrainConfig):
                                 timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    accelerator = Accelerator(
-        # Without CUDA, accelerate only picks its multi-process CPU mode (gloo DDP) when told `cpu`; otherwise a
-        # MULTI_GPU config silently runs N independent single processes.
-        cpu=not cuda and world > 1 and not deepspeed,
-        mixed_precision="bf16" if bf16 else "no",
-        gradient_accumulation_steps=1,
-        kwargs_handlers=[pg] if world > 1 else [],
-        log_with=trackers(cfg) or None,
-        project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
-    )
+    # FSDP2: accelerate sets up a plain multi-process run and the kit shards the models itself (models/fsdp2.py)
+    with fsdp2.hidden_from_accelerate() if fsdp2.enabled() else contextlib.nullcontext():
+        accelerator = Accelerator(
+            # Without CUDA, accelerate only picks its multi-process CPU mode (gloo) when told `cpu`; otherwise a
+            # MULTI_GPU config silently runs N independent single processes.
+            cpu=not cuda and world > 1 and not deepspeed,
+            mixed_precision="bf16" if bf16 else "no",
+            gradient_accumulation_steps=1,
+            kwargs_handlers=[pg] if world > 1 else [],
+            log_with=trackers(cfg) or None,
+            project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
+        )
     if world > 1 and accelerator.num_processes == 1 or world > 1 and accelerator.distributed_type.value == "NO":
         raise RuntimeError(f"launched with WORLD_SIZE={world} but accelerate set up no distributed backend "
                            f"({accelerator.distributed_type}); check the accelerate config")
@@ -83,6 +87,15 @@ def make_accelerator(cfg: TrainConfig):
 def zero_stage(accelerator) -> int:
     plugin = accelerator.state.deepspeed_plugin
     return 0 if plugin is None else int(plugin.zero_stage)
+
+
+def sharding(accelerator) -> str:
+    """How the run places its models: "fsdp2", "zero<stage>" (DeepSpeed), "ddp" (several processes) or "none"."""
+    if fsdp2.enabled() and accelerator.num_processes > 1:
+        return "fsdp2"
+    if accelerator.state.deepspeed_plugin is not None:
+        return f"zero{zero_stage(accelerator)}"
+    return "ddp" if accelerator.num_processes > 1 else "none"
 
 
 def _collective_device() -> torch.device:
@@ -214,8 +227,9 @@ def destroy(exit_code: int = 0) -> None:
 
 def param_counts(model) -> tuple[int, int]:
     """(parameters held by this rank, parameters of the whole model). Under ZeRO-3 a parameter's local shard is
-    `ds_tensor` and its full size `ds_numel`; otherwise every rank holds everything."""
-    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    `ds_tensor` and its full size `ds_numel`; under FSDP2 a DTensor's local shard; otherwise every rank holds
+    everything."""
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else fsdp2.local_numel(p) for p in model.parameters())
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     return local, total
 

@@ -1,5 +1,5 @@
-"""Models placed for training or inference on any backend (one process, DDP, DeepSpeed ZeRO-2/3): the one place where
-an optimizer step happens.
+"""Models placed for training or inference on any backend (one process, DDP, DeepSpeed ZeRO-2/3, FSDP2): the one place
+where an optimizer step happens.
 
 Trainable  a model with its own AdamW, LR schedule and (under DeepSpeed) its own engine. Every recipe drives every
            trained model the same way:
@@ -8,8 +8,11 @@ Trainable  a model with its own AdamW, LR schedule and (under DeepSpeed) its own
                grad_norm = model.step()                  # clip, update, zero, advance the schedule
            A step whose loss or gradient norm is not finite is skipped on every process (nothing reaches the
            weights or the optimizer state), counted in `nonfinite_skips`; MAX_NONFINITE_SKIPS in a row stop the run.
-frozen()   a model that is only run forward (reference, reward model): a ZeRO-3 inference engine over its shards, or
-           a plain module on the device.
+frozen()   a model that is only run forward (reference, reward model): a ZeRO-3 inference engine over its shards,
+           fully_shard-ed under FSDP2, or a plain module on the device.
+
+Under FSDP2 (models/fsdp2.py) a Trainable is sharded by the kit, not prepared by accelerate (which would wrap it in
+DDP): its model and optimizer are checkpointed by train/checkpoint.py with torch distributed checkpointing.
 
 Several Trainables can live in one run (PPO's actor and critic): each is made by its own `accelerator.prepare(model,
 optimizer)` with the same DeepSpeed plugin, so each has its own optimizer, clipping norm and grad norm, and
@@ -31,6 +34,7 @@ from torch import nn
 
 from verl_kit.config import TrainConfig
 from verl_kit.errors import UserError
+from verl_kit.models import fsdp2
 from verl_kit.models.loading import (
     chat_template_kwargs,
     check_shared_tokenizer,
@@ -38,7 +42,7 @@ from verl_kit.models.loading import (
     load_tokenizer,
     resolve_model_path,
 )
-from verl_kit.train.distributed import all_reduce_max, zero_stage
+from verl_kit.train.distributed import all_reduce_max, sharding, zero_stage
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,9 @@ logger = logging.getLogger(__name__)
 # one rollout (1 by default, 8 at 2 x 4): one bad rollout stays under the bound. Megatron stops at the first NaN
 # (--check-for-nan-in-loss-and-grad); PyTorch's GradScaler never stops (fp16 overflow is routine there, not here).
 MAX_NONFINITE_SKIPS = 10
+# The run's Trainables sharded with FSDP2, in the order they were built: accelerate does not hold them (they are not
+# prepared), so checkpoint.py saves and loads their model and optimizer state itself.
+FSDP2_TRAINABLES: list[Trainable] = []
 
 
 class Trainable:
@@ -59,11 +66,18 @@ class Trainable:
         from transformers import get_scheduler
 
         self.accelerator, self.max_grad_norm = accelerator, cfg.max_grad_norm
+        self.fsdp2 = sharding(accelerator) == "fsdp2"
+        if self.fsdp2:  # sharded before the optimizer is built: it holds the DTensor shards
+            model = fsdp2.shard(model, accelerator.device, accelerator.mixed_precision == "bf16")
         trained = [p for p in model.parameters() if p.requires_grad]  # a LoRA model: the adapter (and any head)
         optimizer = torch.optim.AdamW(trained, lr=learning_rate, weight_decay=cfg.weight_decay)
         self.scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, int(cfg.warmup_ratio * total_steps),
                                        total_steps)
-        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        if self.fsdp2:  # not prepared: accelerate would wrap it in DDP; checkpointed by checkpoint.py itself
+            self.model, self.optimizer = model, optimizer
+            FSDP2_TRAINABLES.append(self)
+        else:
+            self.model, self.optimizer = accelerator.prepare(model, optimizer)
         accelerator.register_for_checkpointing(self.scheduler)  # stepped here: accelerate would step it per process
         self.deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
         self.nonfinite_skips = 0  # optimizer steps skipped for a non-finite loss or gradient norm, since the start
@@ -80,6 +94,10 @@ class Trainable:
                 yield chunk
                 continue
             self.accelerator.sync_gradients = last
+            if self.fsdp2:  # gradients reduce-scattered on the last micro-batch only
+                self.model.set_requires_gradient_sync(last)
+                yield chunk
+                continue
             with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
                 yield chunk
 
@@ -115,7 +133,11 @@ class Trainable:
                                 "longer finite. Enable its check (bf16.check_grad_overflow true in the DeepSpeed "
                                 "config) so that such a step is skipped")
         else:
-            norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            if self.fsdp2:  # the norm of DTensor gradients is a DTensor, reduced over the shards
+                norm = float(fsdp2.full_tensor(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)))
+            else:
+                norm = float(self.accelerator.clip_grad_norm_(params, self.max_grad_norm))
             skipped = bool(all_reduce_max(float(not math.isfinite(norm))))
             if not skipped:
                 self.optimizer.step()
@@ -153,7 +175,11 @@ class Trainable:
 def frozen(accelerator, loader):
     """Build a frozen model with `loader()` and place it: under ZeRO-3 a DeepSpeed inference engine over its shards
     (every process must then run the same number of forward passes; 1/world of its size per process, as TRL's
-    prepare_deepspeed does), otherwise a plain module on the device."""
+    prepare_deepspeed does), under FSDP2 fully_shard-ed the same way as a trained model (the same lockstep),
+    otherwise a plain module on the device."""
+    if sharding(accelerator) == "fsdp2":
+        model = loader().requires_grad_(False)
+        return fsdp2.shard(model, accelerator.device, accelerator.mixed_precision == "bf16").eval()
     if zero_stage(accelerator) == 3:
         import deepspeed
 
