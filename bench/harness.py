@@ -297,32 +297,39 @@ def preference_sequences(e):
     return completion_sequences(e.prompt_ids, [e.chosen_ids, e.rejected_ids])
 
 
-def run_recipe(s, args, recipe: str, tag: str, packing: bool, hyper: dict, extra: list[str] = ()) -> dict:
+def run_recipe(s, args, recipe: str, tag: str, packing: bool, hyper: dict, extra: list[str] = (),
+               config: str | None = None) -> dict:
     """Run recipes/<recipe> on our data, logging every step; per step: timing_s/step and tokens from its metrics.jsonl
     and step_cpu_s: the recipe logs every step right after timing it, so the child's CPU clock read when its
     `INFO step N:` line arrives closes step N (step 1's baseline is its step-0 line, if any; NaN where a line was not
-    seen), plus the run's wall time and the load average before and after."""
+    seen), plus the run's wall time and the load average before and after. With `config` (a file of
+    accelerate_configs/): two processes under `accelerate launch` in a loopback-only namespace, each with half the
+    batch (the same global batch); step_cpu_s is then NaN (the clock read would be the launcher's)."""
     out_dir = s.out / "runs" / tag
     cmd = [PYTHON, f"recipes/{recipe}", "--model_name_or_path", s.model_dir, "--dataset_name", str(s.data),
            "--dataset_test_split", "none", "--output_dir", str(out_dir), "--overwrite_output_dir",
            "--max_steps", str(args.warmup + args.steps),
-           "--logging_steps", "1", "--per_device_train_batch_size", str(args.batch_size),
+           "--logging_steps", "1", "--per_device_train_batch_size", str(args.batch_size // (2 if config else 1)),
            "--packing", str(packing).lower(), "--packing_length", str(args.packing_length),
            "--gradient_checkpointing", str(args.gradient_checkpointing).lower(), "--max_prompt_length", "256",
            *flags(hyper), *extra]
+    if config:
+        cmd = loopback_netns([PYTHON, "-m", "accelerate.commands.launch", "--config_file",
+                              f"accelerate_configs/{config}", "--num_processes", "2", "--main_process_port", "29733",
+                              *cmd[1:]])
     if os.path.exists(out_dir / "metrics.jsonl"):
         os.remove(out_dir / "metrics.jsonl")
     marks, load0 = {}, os.getloadavg()[0]
 
     def mark(line: str, pid: int) -> None:
-        if m := STEP_LINE.search(line):
+        if (m := STEP_LINE.search(line)) and not config:
             marks[int(m.group(1))] = process_cpu_s(pid)
 
     wall = run(cmd, s.out / "logs" / f"{tag}.log", args.run_timeout_s, prefix=f"[{tag}] ", on_line=mark)
     with open(out_dir / "metrics.jsonl") as f:
         rows = sorted((r for r in map(json.loads, f) if "timing_s/step" in r), key=lambda r: r["step"])
     cpu = [marks.get(r["step"], math.nan) - marks.get(r["step"] - 1, math.nan) for r in rows]
-    if rows and all(c != c for c in cpu[1:]):
+    if rows and all(c != c for c in cpu[1:]) and not config:
         print(f"WARNING: {tag}: no per-step CPU times (no 'INFO step N:' lines in the recipe's output)", flush=True)
     return {"step_time_s": [r["timing_s/step"] for r in rows], "tokens": [int(r["tokens"]) for r in rows],
             "step_cpu_s": cpu, "wall_s": wall, "loadavg_before": load0, "loadavg_after": os.getloadavg()[0]}

@@ -228,11 +228,12 @@ def main():
         tally.add(flat_groups=scores.view(-1, grpo.num_generations).std(-1) == 0,
                   groups=len(scores) / grpo.num_generations)
         t = tally.reduce()
+        tokens = max(t["tokens"], 1)  # 0 when every episode of the step failed: nothing was learned
         timer.seconds["timing_s/step"] = time.time() - t_step
         metrics = {**rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments),
                    "reward/frac_zero_std": t["flat_groups"] / t["groups"],
-                   "kl": t["kl"] / t["tokens"],
-                   **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
+                   "kl": t["kl"] / tokens,
+                   **{f"actor/{k}": t[k] / tokens for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    "grad_norm": sum(grad_norms) / len(grad_norms), "nonfinite_skips": actor.nonfinite_skips,
                    "learning_rate": actor.learning_rate,
                    "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(), **sampled,

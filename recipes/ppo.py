@@ -192,16 +192,17 @@ def main():
         tally.add(kl=kl, responses=B, **algos.masked_moments(returns - old_values, mask, "resid_"),
                   **algos.masked_moments(returns, mask, "ret_"))
         t = tally.reduce()
+        tokens = max(t["tokens"], 1)  # 0 when every episode of the step failed: nothing was learned
         kl_mean = t["kl"] / t["responses"]
         kl_coef = kl_ctl.value
         kl_ctl.update(kl_mean, int(t["responses"]))
         timer.seconds["timing_s/step"] = time.time() - t_step
         explained = 1.0 - algos.masked_variance(t, "resid_") / max(algos.masked_variance(t, "ret_"), 1e-8)
         metrics = {"kl": kl_mean, "kl_coef": kl_coef,
-                   **{f"actor/{k}": t[k] / t["tokens"] for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
+                   **{f"actor/{k}": t[k] / tokens for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    "grad_norm": sum(grad_norms["actor"]) / len(grad_norms["actor"]),
                    "nonfinite_skips": actor.nonfinite_skips, "critic/nonfinite_skips": critic.nonfinite_skips,
-                   "critic/vf_loss": t["vf_loss"] / t["tokens"], "critic/vf_clipfrac": t["vf_clipfrac"] / t["tokens"],
+                   "critic/vf_loss": t["vf_loss"] / tokens, "critic/vf_clipfrac": t["vf_clipfrac"] / tokens,
                    "critic/explained_var": explained,
                    "critic/grad_norm": sum(grad_norms["critic"]) / len(grad_norms["critic"]),
                    **rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments),

@@ -41,7 +41,8 @@ def setup_logging(is_main: bool) -> None:
     handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
     logging.basicConfig(handlers=[handler], level=logging.INFO if is_main else logging.WARNING, force=True)
-    for noisy in ("httpx", "datasets", "filelock", "urllib3"):
+    # httpx2: the openai SDK's HTTP client (a line per request of every agent's client); httpx: vLLM's, wandb's
+    for noisy in ("httpx", "httpx2", "datasets", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if os.environ.get("VERL_KIT_LIBRARY_BARS") != "1":
         import datasets

@@ -162,10 +162,11 @@ class Cluster:
         cmd = ["ip", "netns", "exec", ns or self.head_ns, sys.executable, "-m", "verl_kit.launch.cluster", *args]
         return subprocess.run(cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
 
-    def run_cmd(self, output_dir: str, *extra: str, node_timeout_s: float = NODE_TIMEOUT_S) -> list[str]:
+    def run_cmd(self, output_dir: str, *extra: str, node_timeout_s: float = NODE_TIMEOUT_S,
+                config: str = "zero3.yaml") -> list[str]:
         return ["ip", "netns", "exec", self.head_ns, sys.executable, "-m", "verl_kit.launch.cluster", "run",
                 "--address", DASHBOARD, "--nodes", "2", "--procs_per_node", "1",
-                "--accelerate_config", "accelerate_configs/zero3.yaml", "--node_timeout_s", str(node_timeout_s),
+                "--accelerate_config", f"accelerate_configs/{config}", "--node_timeout_s", str(node_timeout_s),
                 "--stop_grace_s", "5", "--", *RECIPE_ARGS, "--output_dir", output_dir, *extra]
 
 
@@ -251,9 +252,11 @@ def test_two_node_dpo_matches_local_run(cluster, local_losses, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_killed_node_fails_the_job_in_bound_then_resume_completes(cluster, local_losses, tmp_path):
+    """Under accelerate_configs/fsdp2.yaml (the kit's fully_shard across the two nodes, torch distributed checkpoints
+    of each node's shards): the killed job and its resume together give the local ZeRO-3 run's losses."""
     out = str(tmp_path / "ray")
-    job = subprocess.Popen(cluster.run_cmd(out), cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = subprocess.Popen(cluster.run_cmd(out, config="fsdp2.yaml"), cwd=REPO, env=_clean_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.time() + 200
         while not os.path.isfile(f"{out}/checkpoint-10/trainer_state.json"):
@@ -278,8 +281,9 @@ def test_killed_node_fails_the_job_in_bound_then_resume_completes(cluster, local
     print(f"job failed {took:.1f}s after the kill")
     _assert_nothing_left(cluster, out)
 
-    p = subprocess.run(cluster.run_cmd(out, "--resume_from_checkpoint", "auto"), cwd=REPO, env=_clean_env(),
-                       capture_output=True, text=True, timeout=240)
+    assert os.path.isfile(f"{out}/checkpoint-10/fsdp2_0/.metadata")
+    p = subprocess.run(cluster.run_cmd(out, "--resume_from_checkpoint", "auto", config="fsdp2.yaml"), cwd=REPO,
+                       env=_clean_env(), capture_output=True, text=True, timeout=240)
     log = p.stdout + p.stderr
     assert p.returncode == 0, log[-6000:]
     assert "resumed from" in log, log[-6000:]

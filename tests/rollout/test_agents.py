@@ -227,8 +227,11 @@ STARTED = itertools.count()
 
 
 async def agent(client, row):
-    """Episode 0 fails after its call; odd episodes call again from a rewritten history (a second sample)."""
+    """Step 1: episode 0 fails after its call; odd episodes call again from a rewritten history (a second sample).
+    Step 2: every episode fails before any call."""
     n = next(STARTED)  # before any await: the episodes' order
+    if n >= 4:
+        raise RuntimeError("down")
     first = await client.chat.completions.create(model="policy", messages=row["prompt"])
     if n == 0:
         raise ValueError("no")
@@ -241,17 +244,19 @@ async def agent(client, row):
 
 @pytest.mark.parametrize("recipe", ["grpo", "ppo"])
 def test_agent_runs_through_the_online_recipes(recipe, tmp_path):
-    """An async agent through recipes/grpo.py and ppo.py on the tiny model, HF generate, 1 step: the run ends with
-    the agent's episodes scored by --reward_fn (it returns None), the per-call samples of two episodes trained
-    (episode/samples 6 / 4) and the failed one counted (episode/env_errors 1 / 4)."""
+    """An async agent through recipes/grpo.py and ppo.py on the tiny model, HF generate: step 1 ends with the
+    agent's episodes scored by --reward_fn (it returns None), the per-call samples of two episodes trained
+    (episode/samples 6 / 4) and the failed one counted (episode/env_errors 1 / 4); step 2, where every episode
+    fails (no token to learn from), is counted and the run goes on."""
     agent = tmp_path / "agent.py"
     agent.write_text(AGENT_FILE)
     out = tmp_path / "run"
     run(recipe_cmd(f"{recipe}.py", ["--config", f"recipes/configs/{recipe}_tiny.yaml", "--output_dir", str(out),
-                                    "--max_steps", "1", "--prompts_per_step", "2", "--num_generations", "2",
+                                    "--max_steps", "2", "--prompts_per_step", "2", "--num_generations", "2",
                                     "--max_completion_length", "8", "--dataset_test_split", "none",
                                     "--logging_steps", "1", "--agent", f"{agent}:agent"]), timeout=300)
     rows = [r for r in metrics(out) if "reward/mean" in r]
-    assert len(rows) == 1, rows
+    assert len(rows) == 2, rows
     assert rows[0]["episode/samples"] == 1.5 and rows[0]["episode/env_errors"] == 0.25, rows[0]
+    assert rows[1]["episode/env_errors"] == 1 and rows[1]["response_length/mean"] == 0, rows[1]
     print({k: v for k, v in rows[0].items() if k.startswith(("episode", "reward"))})

@@ -35,30 +35,26 @@ def single_run(tmp_path_factory):
     return out
 
 
-def test_zero3_two_processes_shards_and_matches_single_process(tmp_path, single_run):
-    out = tmp_path / "z3"
-    run(launch_cmd("zero3.yaml", 2, "dpo.py",
-                   ["--output_dir", str(out), "--per_device_train_batch_size", "4", *COMMON]), timeout=300)
-    head = metrics(out)[0]
-    assert head["params/local"] <= 0.55 * head["params/total"]  # really sharded: each rank holds about half
-    assert_matches_single(out, single_run, 2)
-    exported = load_weights(out / "final")  # ZeRO-3 shards gathered into one HF checkpoint
-    assert sum(t.numel() for t in exported.values()) == head["params/total"]
-
-
-def test_fsdp2_two_processes_shards_and_matches_single_process(tmp_path, single_run):
-    """accelerate_configs/fsdp2.yaml: torch's fully_shard per decoder layer and root (each rank holds half of every
-    parameter), the same step-1 gradient norm and later losses as one process, and the shards gathered into one HF
-    export. Before FSDP2 was supported the same launch ran as DDP (params/local == params/total)."""
-    out = tmp_path / "fsdp2"
-    run(launch_cmd("fsdp2.yaml", 2, "dpo.py",
-                   ["--output_dir", str(out), "--per_device_train_batch_size", "4", *COMMON]), timeout=300)
-    head = metrics(out)[0]
-    assert head["params/local"] <= 0.55 * head["params/total"]
-    assert_matches_single(out, single_run, 2)
-    exported, single = load_weights(out / "final"), load_weights(single_run / "final")
-    assert exported.keys() == single.keys() and sum(t.numel() for t in exported.values()) == head["params/total"]
-    assert max(float((exported[k] - single[k]).abs().max()) for k in single) < 1e-4
+def test_zero3_and_fsdp2_two_processes_shard_and_match_single_process_and_each_other(tmp_path, single_run):
+    """accelerate_configs/zero3.yaml and fsdp2.yaml (torch's fully_shard per decoder layer and root) x2: each rank
+    holds about half of the parameters, the same step-1 gradient norm and later losses as one process and as each
+    other, and the shards gathered into one HF export. Before FSDP2 was supported its launch ran as DDP
+    (params/local == params/total)."""
+    outs = {}
+    for config in ("zero3.yaml", "fsdp2.yaml"):
+        outs[config] = out = tmp_path / config.removesuffix(".yaml")
+        run(launch_cmd(config, 2, "dpo.py",
+                       ["--output_dir", str(out), "--per_device_train_batch_size", "4", *COMMON]), timeout=300)
+        head = metrics(out)[0]
+        assert head["params/local"] <= 0.55 * head["params/total"]  # really sharded: each rank holds about half
+        assert_matches_single(out, single_run, 2)
+        exported, single = load_weights(out / "final"), load_weights(single_run / "final")
+        assert exported.keys() == single.keys() and sum(t.numel() for t in exported.values()) == head["params/total"]
+        assert max(float((exported[k] - single[k]).abs().max()) for k in single) < 1e-4
+    for key in ("loss", "grad_norm"):
+        z3, f2 = losses(outs["zero3.yaml"], key), losses(outs["fsdp2.yaml"], key)
+        assert z3.keys() == f2.keys() == {1, 2, 3}
+        assert max(abs(z3[s] - f2[s]) for s in z3) < 1e-5, (key, z3, f2)
 
 
 def test_token_budget_microbatches_match(tmp_path, single_run):

@@ -111,16 +111,18 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor, prefix: str = "") -> dic
 
 
 def masked_variance(moments: dict[str, float], prefix: str = "") -> float:
-    """Population variance from masked_moments (possibly summed over ranks)."""
-    mean = moments[f"{prefix}sum"] / moments[f"{prefix}count"]
-    return max(moments[f"{prefix}sum_sq"] / moments[f"{prefix}count"] - mean * mean, 0.0)
+    """Population variance from masked_moments (possibly summed over ranks); 0 over no tokens (a step whose every
+    episode failed)."""
+    n = max(moments[f"{prefix}count"], 1.0)
+    mean = moments[f"{prefix}sum"] / n
+    return max(moments[f"{prefix}sum_sq"] / n - mean * mean, 0.0)
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, moments: dict[str, float], shift_mean: bool = True,
            eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / std over the masked tokens, with mean and (population) variance taken from `moments`
     (masked_moments, possibly summed over ranks). shift_mean=False keeps the mean (scales only). (B, R) -> (B, R)."""
-    mean, var = moments["sum"] / moments["count"], masked_variance(moments)
+    mean, var = moments["sum"] / max(moments["count"], 1.0), masked_variance(moments)
     out = (x - mean) / (var + eps) ** 0.5
     if not shift_mean:
         out = out + mean

@@ -137,7 +137,6 @@ class AgentEpisodes:
             self.appends = True
         except UserError:
             self.appends = False
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # the agents' clients: no line per request
         self._queue: queue.Queue = queue.Queue()
         self.endpoint = Endpoint(self._queue, os.path.basename(model_name.rstrip("/")) or "policy", timeout_s + 60)
         self._loop = asyncio.new_event_loop()
