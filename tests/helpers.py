@@ -57,6 +57,18 @@ def launch_script(config: str, nproc: int, script: str, args: list[str], extra: 
                      "--num_processes", str(nproc), "--main_process_port", "29533", *extra, script, *args])
 
 
+def trl_fsdp2_config(out_dir) -> str:
+    """TRL's own accelerate_configs/fsdp2.yaml as a user brings it (fsdp_cpu_ram_efficient_loading true: transformers
+    loads the weights on rank 0 only), mixed precision off so that it compares with fp32 runs."""
+    import trl
+
+    text = (Path(trl.__file__).parent / "accelerate_configs" / "fsdp2.yaml").read_text()
+    assert "fsdp_cpu_ram_efficient_loading: true" in text and "mixed_precision: bf16" in text, text
+    path = Path(out_dir) / "trl_fsdp2.yaml"
+    path.write_text(text.replace("mixed_precision: bf16", 'mixed_precision: "no"'))
+    return str(path)
+
+
 def run(cmd: list[str], timeout: float = 300, check: bool = True, **env_extra) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, cwd=REPO, env=env(OMP_NUM_THREADS=1, **env_extra), capture_output=True, text=True,
                        timeout=timeout, start_new_session=True)

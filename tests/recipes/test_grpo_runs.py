@@ -20,6 +20,7 @@ from helpers import (
     recipe_cmd,
     run,
     sigkill_alone_leaves_nothing,
+    trl_fsdp2_config,
 )
 
 TINY = "recipes/configs/grpo_tiny.yaml"
@@ -95,12 +96,13 @@ def _grpo_launch(config, out, *extra):
 def test_grpo_fsdp2_tied_equals_peer(tmp_path, tiny_tied_path, peer, lora):
     """GRPO on the tied tiny model, FSDP2 x2 against a peer x2 that draws the same samples (same per-rank seeds):
     ZeRO-3 with a full model (the reference a frozen model sharded like the actor, the tied embedding one sharded
-    parameter, the rollout copy synced from the gathered shards), and DDP with an adapter (base frozen, the merged
-    weight computed on the DTensor shards). Rewards, KL, loss and gradient norms agree at both steps, so step 2
-    sampled from the synced step-1 weights."""
+    parameter, the rollout copy synced from the gathered shards; FSDP2 from TRL's own fsdp2.yaml: actor and
+    reference loaded on rank 0 only and broadcast into the shards), and DDP with an adapter under the kit's
+    fsdp2.yaml (base frozen, the merged weight computed on the DTensor shards). Rewards, KL, loss and gradient
+    norms agree at both steps, so step 2 sampled from the synced step-1 weights."""
     extra = ["--model_name_or_path", tiny_tied_path, *(["--use_peft", "--lora_r", "8", "--lora_alpha", "16",
                                                         "--lora_dropout", "0"] if lora else [])]
-    run(_grpo_launch("fsdp2.yaml", tmp_path / "f2", *extra), timeout=300)
+    run(_grpo_launch("fsdp2.yaml" if lora else trl_fsdp2_config(tmp_path), tmp_path / "f2", *extra), timeout=300)
     run(_grpo_launch(peer, tmp_path / "peer", *extra), timeout=300)
     f2, peer_rows = numbers(tmp_path / "f2"), numbers(tmp_path / "peer")
     for step in (1, 2):

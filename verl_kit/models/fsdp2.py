@@ -27,9 +27,8 @@ _REFUSED = {"FSDP_OFFLOAD_PARAMS": "fsdp_offload_params true: the kit's FSDP2 ke
 def enabled() -> bool:
     """Whether this process was launched with an FSDP accelerate config (accelerate launch exports the yaml's
     fsdp_config as FSDP_* variables). FSDP1, parameter offload and FSDP's own activation checkpointing are refused
-    in one line. fsdp_state_dict_type and fsdp_cpu_ram_efficient_loading are read as the kit does it: checkpoints
-    are always sharded (torch distributed checkpointing), exports always full, and every process loads the model
-    before it is sharded."""
+    in one line. fsdp_state_dict_type is read as the kit does it: checkpoints are always sharded (torch distributed
+    checkpointing), exports always full; fsdp_cpu_ram_efficient_loading: see `ram_efficient_loading`."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
         return False
     version = os.environ.get("FSDP_VERSION", "1")
@@ -40,6 +39,26 @@ def enabled() -> bool:
         if os.environ.get(var, "false").lower() == "true":
             raise UserError(f"accelerate config: {why}")
     return True
+
+
+def ram_efficient_loading() -> bool:
+    """fsdp_cpu_ram_efficient_loading: true (TRL's fsdp2.yaml sets it). transformers' from_pretrained then reads the
+    checkpoint on each node's local rank 0 only and gives every other process zeros of the same shapes
+    (transformers.distributed.fsdp.is_fsdp_enabled); `shard` then fills every process's shards from rank 0. It
+    spares the other processes the checkpoint read; transformers still allocates their zeros at full size."""
+    return os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true"
+
+
+@contextlib.contextmanager
+def full_load():
+    """Load with the whole checkpoint on every process (for a model that is not sharded afterwards): transformers
+    does not see fsdp_cpu_ram_efficient_loading inside this block."""
+    saved = os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = saved
 
 
 @contextlib.contextmanager
@@ -68,7 +87,8 @@ def shard(model: nn.Module, device: torch.device, bf16: bool) -> nn.Module:
     final norm, LM head: a tied head stays one parameter), resharded after forward unless the config says
     fsdp_reshard_after_forward false. `bf16`: compute in bf16, reduce gradients in fp32 (the parameters and the
     optimizer state stay fp32). Every process must then run the same forward passes, as under ZeRO-3. Gradients are
-    averaged over the processes, as DDP averages them."""
+    averaged over the processes, as DDP averages them. Under `ram_efficient_loading` the weights and buffers are
+    rank 0's (the other processes loaded zeros), broadcast into the shards."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -80,11 +100,19 @@ def shard(model: nn.Module, device: torch.device, bf16: bool) -> nn.Module:
     reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
+    from_rank0 = ram_efficient_loading() and torch.distributed.get_world_size() > 1
+    full = model.state_dict() if from_rank0 and torch.distributed.get_rank() == 0 else {}
     model.to(device)
     for m in list(model.modules()):
         if type(m).__name__ in classes:
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    if from_rank0:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for buffer in model.buffers():  # not sharded; the non-persistent ones (rotary frequencies) are in no state dict
+            torch.distributed.broadcast(buffer, 0)
     return model
 
 
