@@ -251,12 +251,13 @@ def test_agent_runs_through_the_online_recipes(recipe, tmp_path):
     agent = tmp_path / "agent.py"
     agent.write_text(AGENT_FILE)
     out = tmp_path / "run"
-    run(recipe_cmd(f"{recipe}.py", ["--config", f"recipes/configs/{recipe}_tiny.yaml", "--output_dir", str(out),
-                                    "--max_steps", "2", "--prompts_per_step", "2", "--num_generations", "2",
-                                    "--max_completion_length", "8", "--dataset_test_split", "none",
-                                    "--logging_steps", "1", "--agent", f"{agent}:agent"]), timeout=300)
+    p = run(recipe_cmd(f"{recipe}.py", ["--config", f"recipes/configs/{recipe}_tiny.yaml", "--output_dir", str(out),
+                                        "--max_steps", "2", "--prompts_per_step", "2", "--num_generations", "2",
+                                        "--max_completion_length", "8", "--dataset_test_split", "none",
+                                        "--logging_steps", "1", "--agent", f"{agent}:agent"]), timeout=300)
     rows = [r for r in metrics(out) if "reward/mean" in r]
     assert len(rows) == 2, rows
     assert rows[0]["episode/samples"] == 1.5 and rows[0]["episode/env_errors"] == 0.25, rows[0]
     assert rows[1]["episode/env_errors"] == 1 and rows[1]["response_length/mean"] == 0, rows[1]
+    assert p.stderr.count("all 4 episodes of this batch failed") == 1, p.stderr[-3000:]  # step 2's, said
     print({k: v for k, v in rows[0].items() if k.startswith(("episode", "reward"))})

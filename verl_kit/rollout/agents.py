@@ -158,6 +158,9 @@ class AgentEpisodes:
             running.cancel()  # the run stops: its agents with it
             raise
         running.result()  # every episode has ended (each within its timeout)
+        if all(ep.failure is not None for ep in eps):  # a broken agent or setup, not bad luck: said every time
+            logger.warning("--agent %s: all %d episodes of this batch failed, nothing to learn from (the first: %s)",
+                           self.name, len(eps), eps[0].failure)
         return self.to_rollout(eps)
 
     def _serve(self, eps: list[_Episode], params: SamplingParams) -> None:
