@@ -47,14 +47,20 @@ def recipe_cmd(recipe: str, args: list[str]) -> list[str]:
     return [sys.executable, str(REPO / "recipes" / recipe), *args]
 
 
-def launch_cmd(config: str, nproc: int, recipe: str, args: list[str], extra: list[str] = ()) -> list[str]:
-    return launch_script(config, nproc, str(REPO / "recipes" / recipe), args, extra)
+def launch_cmd(config: str, nproc: int, recipe: str, args: list[str], extra: list[str] = (),
+               isolate: bool = True) -> list[str]:
+    return launch_script(config, nproc, str(REPO / "recipes" / recipe), args, extra, isolate)
 
 
-def launch_script(config: str, nproc: int, script: str, args: list[str], extra: list[str] = ()) -> list[str]:
-    """`accelerate launch` of any script under one of accelerate_configs/, in a loopback-only namespace."""
-    return isolated([ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / config),
-                     "--num_processes", str(nproc), "--main_process_port", "29533", *extra, script, *args])
+def launch_script(config: str, nproc: int, script: str, args: list[str], extra: list[str] = (),
+                  isolate: bool = True) -> list[str]:
+    """`accelerate launch` of any script under one of accelerate_configs/, in a loopback-only namespace (isolate=False:
+    in this process's network, to reach a server the test session started on 127.0.0.1)."""
+    where = ["--main_process_port", "29533"] if isolate else ["--main_process_ip", "127.0.0.1",
+                                                              "--main_process_port", "29541"]
+    cmd = [ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / config), "--num_processes",
+           str(nproc), *where, *extra, script, *args]
+    return isolated(cmd) if isolate else cmd
 
 
 def trl_fsdp2_config(out_dir) -> str:

@@ -107,15 +107,18 @@ def test_ppo_learns_with_colocated_vllm(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_ppo_async_with_server(vllm_server, tmp_path):
-    """PPO one-step-off against a vLLM server (the session's shared one): 3 steps, staleness 1 after the first, the
-    probe holding after every sync; every sample an episode of the example feedback environment."""
+    """PPO one-step-off under FSDP2 x2 (actor, critic and reference sharded) against a vLLM server (the session's
+    shared one): 3 steps, staleness 1 after the first, the probe holding after every sync of the all-gathered DTensor
+    weights; every sample an episode of the example feedback environment."""
     out = tmp_path / "run"
-    run(recipe_cmd("ppo.py", ["--rollout", "vllm-server", "--vllm_server_url", vllm_server.url, "--async_rollout",
-                              "--output_dir", str(out), "--max_steps", "3", "--prompts_per_step", "8",
-                              "--logging_steps", "1", "--environment_factory", "examples/environments.py:KindFeedback",
-                              "--max_completion_length", "24", "--dataset_test_split", "none"]), timeout=420,
-        VLLM_HOST_IP="127.0.0.1", VLLM_API_KEY=vllm_server.api_key)
+    run(launch_cmd("fsdp2.yaml", 2, "ppo.py", [
+        "--rollout", "vllm-server", "--vllm_server_url", vllm_server.url, "--async_rollout", "--output_dir", str(out),
+        "--max_steps", "3", "--save_steps", "3", "--prompts_per_step", "8", "--logging_steps", "1",
+        "--environment_factory", "examples/environments.py:KindFeedback", "--max_completion_length", "24",
+        "--dataset_test_split", "none"],
+        isolate=False), timeout=420, VLLM_HOST_IP="127.0.0.1", VLLM_API_KEY=vllm_server.api_key)
     rows = [r for r in metrics(out) if "reward/mean" in r]
+    assert (out / "checkpoint-3" / "fsdp2_0" / ".metadata").is_file()  # written only by a run sharded with FSDP2
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 1]
-    assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 and r["episode/turns"] >= 1 for r in rows)
+    assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 and r["episode/turns"] >= 1 for r in rows), rows
     assert (out / "final" / "model.safetensors").is_file()
