@@ -102,7 +102,8 @@ def shard(model: nn.Module, device: torch.device, bf16: bool) -> nn.Module:
         else MixedPrecisionPolicy()
     from_rank0 = ram_efficient_loading() and torch.distributed.get_world_size() > 1
     full = model.state_dict() if from_rank0 and torch.distributed.get_rank() == 0 else {}
-    model.to(device)
+    # No model.to(device) first: fully_shard moves each unit's parameters and buffers to the mesh's device as it
+    # shards it, so a GPU never holds more than one unsharded layer (the root's embeddings and head last).
     for m in list(model.modules()):
         if type(m).__name__ in classes:
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
