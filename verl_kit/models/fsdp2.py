@@ -44,21 +44,16 @@ def enabled() -> bool:
 def ram_efficient_loading() -> bool:
     """fsdp_cpu_ram_efficient_loading: true (TRL's fsdp2.yaml sets it). transformers' from_pretrained then reads the
     checkpoint on each node's local rank 0 only and gives every other process zeros of the same shapes
-    (transformers.distributed.fsdp.is_fsdp_enabled); `shard` then fills every process's shards from rank 0. It
-    spares the other processes the checkpoint read; transformers still allocates their zeros at full size."""
+    (transformers.distributed.fsdp.is_fsdp_enabled), or the kit's loaders build it empty there (`builds_empty`);
+    `shard` then fills every process's shards from rank 0."""
     return os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true"
 
 
-@contextlib.contextmanager
-def full_load():
-    """Load with the whole checkpoint on every process (for a model that is not sharded afterwards): transformers
-    does not see fsdp_cpu_ram_efficient_loading inside this block."""
-    saved = os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = saved
+def builds_empty() -> bool:
+    """Whether this process builds the models it shards empty, on the meta device, instead of reading their
+    checkpoint: under `ram_efficient_loading`, every process but rank 0 (`shard` broadcasts rank 0's weights)."""
+    return (ram_efficient_loading() and enabled() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1 and torch.distributed.get_rank() != 0)
 
 
 @contextlib.contextmanager
@@ -88,7 +83,7 @@ def shard(model: nn.Module, device: torch.device, bf16: bool) -> nn.Module:
     fsdp_reshard_after_forward false. `bf16`: compute in bf16, reduce gradients in fp32 (the parameters and the
     optimizer state stay fp32). Every process must then run the same forward passes, as under ZeRO-3. Gradients are
     averaged over the processes, as DDP averages them. Under `ram_efficient_loading` the weights and buffers are
-    rank 0's (the other processes loaded zeros), broadcast into the shards."""
+    rank 0's (the other processes loaded zeros, or built the model on the meta device), broadcast into the shards."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -108,6 +103,10 @@ def shard(model: nn.Module, device: torch.device, bf16: bool) -> nn.Module:
         if type(m).__name__ in classes:
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    if any(p.is_meta for p in model.parameters()):  # built empty: this process's shards allocated, then filled
+        if not from_rank0:
+            raise RuntimeError("FSDP2: a model built on the meta device, without weights to broadcast")
+        model.to_empty(device=device)
     if from_rank0:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

@@ -195,11 +195,16 @@ def load_causal_lm(path: str, attn_implementation: str | None = None, gradient_c
                    load_in_4bit: bool = False):
     """fp32 weights (DeepSpeed/autocast handle bf16 on GPU); gradient checkpointing without reentrancy.
     `load_in_4bit`: NF4 base weights for QLoRA (verl_kit.models.lora; GPU only)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=resolve_attn_implementation(attn_implementation),
-        **quantized(load_in_4bit))
+    attn = resolve_attn_implementation(attn_implementation)
+    if fsdp2.builds_empty() and not load_in_4bit:  # rank 0 reads the checkpoint, fsdp2.shard broadcasts it here
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32,
+                                                     attn_implementation=attn)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn,
+                                                     **quantized(load_in_4bit))
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
