@@ -5,7 +5,16 @@ run; one step off against the session's shared vLLM server. (The rollout backend
 
 import pytest
 import torch
-from helpers import assert_resume_bit_identical, launch_cmd, load_weights, metrics, numbers, recipe_cmd, run
+from helpers import (
+    assert_resume_bit_identical,
+    launch_cmd,
+    load_weights,
+    metrics,
+    numbers,
+    recipe_cmd,
+    run,
+    trl_fsdp2_config,
+)
 
 TINY = "recipes/configs/ppo_tiny.yaml"
 
@@ -55,7 +64,8 @@ def test_ppo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path)
     once checkpoint-2 is complete and resumed with `auto`: its final weights equal A's bit for bit, and so do the
     logged metrics of steps 3-4 (which depend on the critic, both optimizers, the KL controller and the RNG). The
     same run under FSDP2 x2 (actor, critic, reference and reward model sharded by fully_shard) logs the same numbers
-    as A at steps 1-2."""
+    as A at steps 1-2, under TRL's own fsdp2.yaml (rank 0 reads each checkpoint, the other process builds the models
+    on the meta device and gets rank 0's weights when they are sharded)."""
     from helpers import build_reward_model
 
     rm_dir = build_reward_model(str(tmp_path / "rm"))
@@ -75,7 +85,7 @@ def test_ppo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path)
     assert sorted(numbers(b)) == [0, 1, 2, 3, 4]  # step 0: the held-out evaluation before any update
     assert ra[4]["kl_coef"] != ra[1]["kl_coef"]  # the adaptive controller moved, and was restored on resume
 
-    run(zero3(tmp_path / "f2", config="fsdp2.yaml"), timeout=300)
+    run(zero3(tmp_path / "f2", config=trl_fsdp2_config(tmp_path)), timeout=300)  # its models built empty off rank 0
     rf = numbers(tmp_path / "f2")
     for step in (1, 2):
         for k in ("reward/mean", "kl", "actor/pg_loss", "actor/entropy", "critic/vf_loss", "grad_norm",

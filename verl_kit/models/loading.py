@@ -195,20 +195,28 @@ def load_causal_lm(path: str, attn_implementation: str | None = None, gradient_c
                    load_in_4bit: bool = False):
     """fp32 weights (DeepSpeed/autocast handle bf16 on GPU); gradient checkpointing without reentrancy.
     `load_in_4bit`: NF4 base weights for QLoRA (verl_kit.models.lora; GPU only)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    attn = resolve_attn_implementation(attn_implementation)
-    if fsdp2.builds_empty() and not load_in_4bit:  # rank 0 reads the checkpoint, fsdp2.shard broadcasts it here
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32,
-                                                     attn_implementation=attn)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn,
-                                                     **quantized(load_in_4bit))
+    model = pretrained(AutoModelForCausalLM, path, dtype=torch.float32,
+                       attn_implementation=resolve_attn_implementation(attn_implementation), **quantized(load_in_4bit))
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def pretrained(auto_class, path: str, num_labels: int | None = None, **kwargs):
+    """`auto_class.from_pretrained(path, ...)`, except where `fsdp2.builds_empty()` (fsdp_cpu_ram_efficient_loading,
+    a process other than rank 0): there the same model is built from its config on the meta device, without reading
+    the checkpoint, and `fsdp2.shard` broadcasts rank 0's weights into its shards. Every model the kit loads to train
+    or to shard comes through here."""
+    from transformers import AutoConfig
+
+    labels = {} if num_labels is None else {"num_labels": num_labels}
+    if fsdp2.builds_empty() and "quantization_config" not in kwargs:
+        with torch.device("meta"):
+            return auto_class.from_config(AutoConfig.from_pretrained(path, **labels), **kwargs)
+    return auto_class.from_pretrained(path, **labels, **kwargs)
 
 
 def quantized(load_in_4bit: bool) -> dict:

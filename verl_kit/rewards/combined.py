@@ -12,7 +12,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from verl_kit.algos.advantages import truncation_penalty
 from verl_kit.config import RewardConfig
 from verl_kit.errors import UserError
-from verl_kit.models.loading import resolve_model_path
+from verl_kit.models.loading import pretrained, resolve_model_path
 from verl_kit.rewards.functions import CallLimits, call_reward_fn, load_reward_fn, nonfinite_score, reward_columns
 from verl_kit.rollout.types import Scores, select_rows
 from verl_kit.train.distributed import reduce_metrics
@@ -179,8 +179,8 @@ def load_reward_model(path: str, load_frozen, device, max_length: int, batch_siz
     tokenizer.padding_side = "right"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = load_frozen(lambda: AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
-                                                                                  dtype=torch.float32))
+    model = load_frozen(lambda: pretrained(AutoModelForSequenceClassification, path, num_labels=1,
+                                           dtype=torch.float32))
     config = getattr(model, "module", model).config
     if config.pad_token_id is None:  # the score is read at the last non-pad token
         config.pad_token_id = tokenizer.pad_token_id

@@ -11,7 +11,7 @@ from transformers import AutoModelForSequenceClassification
 from verl_kit.config import TrainConfig
 from verl_kit.data.packing import TokenBatch
 from verl_kit.errors import UserError
-from verl_kit.models.loading import quantized, quiet_load, resolve_attn_implementation
+from verl_kit.models.loading import pretrained, quantized, quiet_load, resolve_attn_implementation
 from verl_kit.train.scoring import score_items
 
 
@@ -82,9 +82,9 @@ def load_reward_classifier(path: str, pad_id: int, attn_implementation: str | No
     """AutoModelForSequenceClassification with one label (a fresh `score` head on a causal LM checkpoint), fp32, its
     config's pad_token_id set so that HF's forward, and PPO's RewardModel, find the last real token."""
     with quiet_load():  # the load report lists the dropped lm_head and the new score head
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32,
-            attn_implementation=resolve_attn_implementation(attn_implementation), **quantized(load_in_4bit))
+        model = pretrained(AutoModelForSequenceClassification, path, num_labels=1, dtype=torch.float32,
+                           attn_implementation=resolve_attn_implementation(attn_implementation),
+                           **quantized(load_in_4bit))
     model.config.pad_token_id = pad_id
     model.config.use_cache = False
     if gradient_checkpointing:

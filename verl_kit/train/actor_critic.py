@@ -20,7 +20,7 @@ from torch import nn
 
 from verl_kit.config import TrainConfig
 from verl_kit.data.packing import TokenBatch, layout
-from verl_kit.models.loading import quiet_load, resolve_attn_implementation, uses_block_mask
+from verl_kit.models.loading import pretrained, quiet_load, resolve_attn_implementation, uses_block_mask
 from verl_kit.train.lm_head import head_divergence, head_logprobs, scored_logits
 
 
@@ -41,13 +41,13 @@ class CriticModel(nn.Module):
         attn_implementation = resolve_attn_implementation(attn_implementation)
         if init == "policy":
             with quiet_load():  # the load report would flag the dropped lm_head as "UNEXPECTED"
-                backbone = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+                backbone = pretrained(AutoModel, path, dtype=torch.float32, attn_implementation=attn_implementation)
             head = nn.Linear(backbone.config.hidden_size, 1, bias=True)
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
         else:
-            rm = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
-                                                                    attn_implementation=attn_implementation)
+            rm = pretrained(AutoModelForSequenceClassification, path, num_labels=1, dtype=torch.float32,
+                            attn_implementation=attn_implementation)
             backbone, head = rm.base_model, getattr(rm, "score", None)
             if not isinstance(head, nn.Linear):
                 raise ValueError(f"{path}: the reward model has no linear `score` head to initialise the value head")
