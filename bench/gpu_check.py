@@ -225,13 +225,13 @@ def run_recipe(check: Check, name: str, cfg: dict, device) -> dict:
                 loss = loss / (rows // 2)
             else:
                 a, sc = adv[c].to(device), scores[c].to(device)
-                loss = clipped_surrogate(logps - logps.detach(), a[index], 0.2).sum()
+                loss = clipped_surrogate(logps, logps - logps.detach(), a[index], 0.2).loss.sum()
                 if critic is not None:
                     with autocast(device):
                         hidden = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                         position_ids=batch.position_ids).last_hidden_state
                         values = critic.value_head(hidden).squeeze(-1).float()[:, :-1][batch.scored]
-                    loss = loss + value_loss(values, values.detach(), sc[index], 0.2).sum()
+                    loss = loss + value_loss(values, values.detach(), sc[index], 0.2).loss.sum()
                 loss = loss / sum(sum(masks[i]) for i in range(rows))  # token mean over the step
             loss.backward()
             total += loss.item()

@@ -341,8 +341,9 @@ def update_worker(argv: list[str]) -> None:
         for chunk in actor.accumulate([rows]):
             logprobs, entropy, ix = packer.forward(actor.model, ro, chunk, accelerator.device)
             phases.update(rss_after_forward=rss_bytes("VmRSS") / GIB, hwm_after_forward=rss_bytes("VmHWM") / GIB)
-            loss = algos.clipped_surrogate(logprobs - logprobs.detach(), ix.gather(ro.advantages), 0.2)
-            w = algos.loss_weights("dapo", ix.gather(lengths), float(lengths.sum()), len(rows), a.length)
+            loss = algos.clipped_surrogate(logprobs, logprobs - logprobs.detach(), ix.gather(ro.advantages),
+                                           0.2).loss
+            w = algos.loss_weights("token", ix.gather(lengths), float(lengths.sum()), len(rows), a.length)
             actor.backward(algos.global_mean_share(loss * w, 1.0, 1))
             phases["hwm_after_backward"] = rss_bytes("VmHWM") / GIB
         return {"grad_norm": actor.step(), "entropy": float(entropy.detach().mean()), "tokens": len(ix.targets),

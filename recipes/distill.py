@@ -96,7 +96,6 @@ def main():
     dist, flags = cfg.distill, cfg.flags()
     accelerator = train.make_accelerator(cfg.train)
     world, device = accelerator.num_processes, accelerator.device
-    correct = cfg.ratio.importance_sampling(cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
 
     # ---- data, student, teacher, rewards -------------------------------------------------------------------------
     model_path = models.resolve_model_path(cfg.train.model_name_or_path)
@@ -105,8 +104,7 @@ def main():
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
-    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate,
-                            total_steps)  # the student
+    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)  # the student
     # frozen, ZeRO-3 sharded like a reference; its tokenizer checked to be the student's (one line otherwise)
     teacher = train.load_teacher(accelerator, dist.teacher_model_name_or_path, tokenizer, attn)
     widths = (actor.unwrapped().config.vocab_size, getattr(teacher, "module", teacher).config.vocab_size)
@@ -121,17 +119,18 @@ def main():
     start = train.resume(accelerator, cfg.train, flags, per_rank=rollouts)  # 0 unless --resume_from_checkpoint
     rollouts.load_weights(actor.unwrapped(), version=start)  # the engine samples from the (restored) student
     log = MetricsLogger(accelerator, cfg.train.output_dir, total_steps, start, flags, cfg.train.run_name)
+    correct = train.OffPolicyCorrection(cfg.ratio, cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
 
     def evaluate() -> dict:
         """Held out: the task reward (its accuracy where the task has an answer) and the per-token reverse KL
         log p - log q of the student's sampled tokens, total over total tokens (eval/teacher_kl)."""
-        def kl_sum(rows, ro):  # (B,) sum over each response's tokens; every process calls it alike (ZeRO-3)
+        def kl_sum(ro):  # (B,) sum over each response's tokens; every process calls it alike (ZeRO-3)
             chunks = train.micro_batches(cfg.train, list(range(len(ro.costs))), ro.costs)
             diff = packed.logprobs(actor.model, ro, chunks, device) - packed.logprobs(teacher, ro, chunks, device)
             return (diff * ro.response_mask).sum(-1)
-        score = reward.of_rollout if reward else lambda rows, ro: rollout.Scores(torch.zeros(len(rows)))
+        score = reward.of_rollout if reward else lambda ro: rollout.Scores(torch.zeros(len(ro.prompt_ids)))
         m = rollouts.evaluate(accelerator, held_out, score, cfg.rollout.prompts_per_step // world,
-                              extra=lambda r, ro: {"teacher_kl_sum": kl_sum(r, ro)})
+                              extra=lambda ro: {"teacher_kl_sum": kl_sum(ro)})
         m["eval/teacher_kl"] = m.pop("eval/teacher_kl_sum") / max(m["eval/response_length"], 1e-8)
         return m if reward else {k: v for k, v in m.items() if not k.startswith(("eval/reward", "eval/pass@"))}
 
@@ -140,6 +139,7 @@ def main():
 
     # ---- training loop -------------------------------------------------------------------------------------------
     actor.model.train()  # for gradient checkpointing (evaluation and the probe put it back after their eval mode)
+    stop = 0  # the signal that stopped the run (preemption), once saved
     for step in range(start, total_steps):
         timer, t_step = Timer(), time.time()
         # 1. rollout: the student's samples (any backend; with --async_rollout generated during the last update)
@@ -148,11 +148,10 @@ def main():
         mask, B = ro.response_mask, ro.response_mask.shape[0]
         lengths = mask.sum(-1)
         costs = ro.costs  # tokens of each row's forward pass
-        rows = [prompts.rows[i] for i in ro.prompt_index]
 
         # 2. the task reward (logged; with --task_reward_coef centred per prompt and added to each token's advantage)
         with timer("reward"):
-            scored = reward.of_rollout(rows, ro) if reward else rollout.Scores(torch.zeros(B))
+            scored = reward.of_rollout(ro) if reward else rollout.Scores(torch.zeros(B))
             scores = scored.total
             task_adv = (dist.task_reward_coef * algos.group_advantages(scores, dist.num_generations, False)
                         if dist.task_reward_coef else torch.zeros(B))
@@ -170,39 +169,32 @@ def main():
 
         # 4. updates: num_iterations passes over the batch, num_mini_batches optimizer steps each, token mean
         tally, grad_norms = train.Tally(), []
-        for update in train.updates(cfg.train, step, costs, dist.num_iterations, dist.num_mini_batches):
+        updates = train.updates(cfg.train, step, costs, dist.num_iterations, dist.num_mini_batches)
+        for update in timer.each("update_actor", updates):
             n_tok = train.reduce_metrics({"n": lengths[update.rows].sum()})["n"]  # minibatch tokens, all ranks
             first = update.epoch == 0  # the first pass over the batch: the samples' reverse KL, before any update
-            with timer("update_actor"):
-                for chunk in actor.accumulate(update.chunks):
-                    if dist.loss_type == "jsd":  # both models' whole distributions at each sampled position
-                        logprobs, entropy, jsd, t_lp, ix = packed.divergence(actor.model, teacher, ro, chunk, device,
-                                                                             dist.beta)
-                    else:
-                        logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
-                    old = logprobs.detach() if dist.one_update else ix.gather(old_logprobs, device)
-                    if dist.loss_type == "jsd":  # algos.generalized_jsd, in chunks through both LM heads
-                        loss, clipped = jsd, torch.zeros_like(old)
-                    else:
-                        t_lp = ix.gather(teacher_lp, device)
-                        adv = algos.reverse_kl_advantages(old, t_lp) + ix.gather(task_adv, device)
-                        loss = algos.clipped_surrogate(logprobs - old, adv, cfg.ratio.cliprange, cfg.ratio.epsilon_high)
-                        clipped = algos.clipped_tokens(logprobs - old, adv, cfg.ratio.cliprange,
-                                                       cfg.ratio.epsilon_high)
-                    # the engine sampled from mu, not pi_old: importance weights (algos.off_policy), measured once
-                    is_terms = (old, ix.gather(ro.sampling_logprobs, device), ix.row.to(device), B)
-                    if correct and first:
-                        tally.add(**algos.mismatch_metrics(*is_terms, **cfg.ratio.importance_sampling_args()))
-                    if correct:
-                        loss = loss * algos.importance_weights(*is_terms, **cfg.ratio.importance_sampling_args())
-                    actor.backward(algos.global_mean_share(loss, n_tok, world))
-                    with torch.no_grad():
-                        tally.add(tokens=len(loss), loss=loss, pg_clipfrac=clipped,
-                                  approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy)
-                    if first:  # the per-token reverse KL of the samples, before this step's update
-                        tally.add(teacher_kl=old - t_lp, kl_tokens=len(loss))
-                        student_lp[ix.row, ix.pos], teacher_lp[ix.row, ix.pos] = old.float().cpu(), t_lp.cpu()
-                grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
+            for chunk in actor.accumulate(update.chunks):
+                if dist.loss_type == "jsd":  # both models' whole distributions at each sampled position
+                    logprobs, entropy, jsd, t_lp, ix = packed.divergence(actor.model, teacher, ro, chunk, device,
+                                                                         dist.beta)
+                else:
+                    logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
+                old = logprobs.detach() if dist.one_update else ix.gather(old_logprobs, device)
+                if dist.loss_type == "jsd":  # algos.generalized_jsd, in chunks through both LM heads
+                    loss, clipped = jsd, torch.zeros_like(old)
+                else:
+                    t_lp = ix.gather(teacher_lp, device)
+                    adv = algos.reverse_kl_advantages(old, t_lp) + ix.gather(task_adv, device)
+                    loss, clipped = algos.clipped_surrogate(logprobs, logprobs - old, adv, cfg.ratio.cliprange,
+                                                            cfg.ratio.epsilon_high)
+                loss = correct(loss, old, ro, ix, device, tally, measure=first)
+                actor.backward(algos.global_mean_share(loss, n_tok, world))
+                tally.add(tokens=len(loss), loss=loss, pg_clipfrac=clipped,  # Tally detaches
+                          approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy)
+                if first:  # the per-token reverse KL of the samples, before this step's update
+                    tally.add(teacher_kl=old - t_lp, kl_tokens=len(loss))
+                    student_lp[ix.row, ix.pos], teacher_lp[ix.row, ix.pos] = old.float().cpu(), t_lp.cpu()
+            grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
 
         # 5. weight sync: the rollout engine generates with the updated student from the next step on
         sync_metrics = rollouts.load_weights(actor.unwrapped(), version=step + 1)
@@ -218,21 +210,19 @@ def main():
                    "rollout/staleness": staleness, **algos.step_metrics(t), **timer.seconds, **sync_metrics}
         if not reward:
             metrics = {k: v for k, v in metrics.items() if not k.startswith("reward/")}
-        log.advance(teacher_kl=metrics["teacher_kl"])
-        do_eval = held_out.ids and ((step + 1) % cfg.train.eval_steps == 0 or step + 1 == total_steps)
-        if do_eval:
-            metrics.update(evaluate())
-        if (step + 1) % cfg.train.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
-            log.log(step + 1, metrics)
+        if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,
+                        evaluate if held_out.ids else None, progress="teacher_kl"):  # and a few samples beside
             disagreement = (student_lp - teacher_lp) * mask  # log p - log q of each sampled token
             views = [teacher_view(disagreement[i], ro.response_ids[i], int(lengths[i]), tokenizer) for i in range(B)]
-            log.log_samples(rollout.sample_rows(step + 1, rows, ro, scores, tokenizer, extra=views))
-        train.save_if_due(accelerator, cfg.train, step + 1, flags, per_rank=rollouts)
+            log.log_samples(rollout.sample_rows(step + 1, ro, scores, tokenizer, extra=views))
+        if stop := train.save_if_due(accelerator, cfg.train, step + 1, flags, per_rank=rollouts):
+            break  # saved: the run ends below, without an export
 
     rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
-    models.export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.train.output_dir, "final"))
-    log.close(["teacher_kl", "eval/teacher_kl", "eval/reward_mean", "actor/entropy", "response_length/mean"])
-    train.destroy()
+    if not stop:
+        models.export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.train.output_dir, "final"))
+        log.close(["teacher_kl", "eval/teacher_kl", "eval/reward_mean", "actor/entropy", "response_length/mean"])
+    train.destroy(stop)  # after a stop signal: exits with 128 + its number
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from verl_kit.metrics import MetricsLogger, Timer
 class GRPOConfig(config.Config):
     """GRPO's own knobs; the rest of its flags are the online roles (config.ONLINE)."""
 
-    CHOICES: ClassVar[dict] = {"loss_type": ("dapo", "grpo", "dr_grpo", "cispo"),
+    CHOICES: ClassVar[dict] = {"loss_type": tuple(algos.POLICY_LOSSES),
                                "advantage_estimator": ("grpo", "rloo", "reinforce_plus_plus_baseline"),
                                "importance_sampling_level": ("token", "sequence")}
 
@@ -107,7 +107,6 @@ def main():
     grpo, flags = cfg.grpo, cfg.flags()
     accelerator = train.make_accelerator(cfg.train)
     world, device = accelerator.num_processes, accelerator.device
-    correct = cfg.ratio.importance_sampling(cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
 
     # ---- data, models, rewards -----------------------------------------------------------------------------------
     model_path = models.resolve_model_path(cfg.train.model_name_or_path)
@@ -116,8 +115,7 @@ def main():
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
-    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate,
-                            total_steps)
+    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)
     # the initial policy; with --use_peft the actor itself with its adapter disabled (no second copy of the weights)
     ref = None if grpo.beta == 0 else models.reference(actor.model) if cfg.train.use_peft else \
         train.frozen(accelerator, lambda: models.load_causal_lm(model_path, attn))
@@ -132,9 +130,9 @@ def main():
     start = train.resume(accelerator, cfg.train, flags, per_rank=rollouts)  # 0 unless --resume_from_checkpoint
     rollouts.load_weights(actor.unwrapped(), version=start)  # the engine samples from the (restored) actor
     log = MetricsLogger(accelerator, cfg.train.output_dir, total_steps, start, flags, cfg.train.run_name)
-
-    def score(ro):  # the Scores of a rollout's responses, each against its dataset row
-        return reward.of_rollout([prompts.rows[i] for i in ro.prompt_index], ro)
+    # the loss: TRL's --loss_type names a surrogate and the reduction it implies (algos.policy.POLICY_LOSSES)
+    policy_loss = algos.POLICY_LOSSES[grpo.loss_type]
+    correct = train.OffPolicyCorrection(cfg.ratio, cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
 
     def evaluate():  # held out: --num_generations_eval responses per prompt, same rewards, no KL term
         return rollouts.evaluate(accelerator, held_out, reward.of_rollout, cfg.rollout.prompts_per_step // world)
@@ -144,33 +142,33 @@ def main():
 
     # ---- training loop -------------------------------------------------------------------------------------------
     actor.model.train()  # for gradient checkpointing (evaluation and the probe put it back after their eval mode)
+    stop = 0  # the signal that stopped the run (preemption), once saved
     for step in range(start, total_steps):
         timer, t_step = Timer(), time.time()
         # 1. rollout: num_generations responses per prompt, a prompt's group on one process
         with timer("gen"):  # with --async_rollout: the wait for a batch generated during the previous update
             ro, staleness = rollouts.get(step)
 
-        # 2. rewards and group-relative advantages (B,)
+        # 2. rewards (each response against its dataset row, ro.rows) and group-relative advantages (B,)
         with timer("reward"):
-            scored = score(ro)
+            scored = reward.of_rollout(ro)
         sampled = {}  # --dynamic_sampling (DAPO): flat groups dropped, further batches generated to fill the step
         if grpo.dynamic_sampling:
             with timer("dynamic_sampling"):
-                ro, scored, sampled = rollout.dynamic_sampling(rollouts, step, ro, scored, score,
+                ro, scored, sampled = rollout.dynamic_sampling(rollouts, step, ro, scored, reward.of_rollout,
                                                                grpo.num_generations, grpo.max_num_gen_batches)
         mask, B = ro.response_mask, ro.response_mask.shape[0]
-        rows = [prompts.rows[i] for i in ro.prompt_index]  # the dataset row of each response
-        # one score per episode (E,) and each row's episode (B,): a row each, unless an --agent's calls did not
+        # one score per episode (E,), advantages back on its rows (B,): a row each, unless an --agent's calls did not
         # extend each other (per-call samples, docs/agents.md): its rows then share the episode's advantage
-        scores, episode = scored.total[ro.first_rows()], ro.row_episode()
+        scores = ro.per_episode(scored.total)
         with timer("reward"):
             if grpo.advantage_estimator == "rloo":
-                advantages = algos.rloo_advantages(scores, grpo.num_generations)[episode]
+                advantages = ro.per_row(algos.rloo_advantages(scores, grpo.num_generations))
             elif grpo.advantage_estimator == "reinforce_plus_plus_baseline":  # whitened over all ranks' tokens
                 advantages = algos.reinforce_plus_plus_baseline_advantages(scores, grpo.num_generations, mask,
-                                                                           train.reduce_metrics, episode)
+                                                                           train.reduce_metrics, ro.row_episode())
             else:
-                advantages = algos.group_advantages(scores, grpo.num_generations, grpo.scale_rewards)[episode]
+                advantages = ro.per_row(algos.group_advantages(scores, grpo.num_generations, grpo.scale_rewards))
 
         # 3. reference log-probs (for the KL term) and, with several updates per rollout, the old log-probs
         lengths = mask.sum(-1)
@@ -186,40 +184,29 @@ def main():
 
         # 4. updates: num_iterations passes over the batch, num_mini_batches optimizer steps each
         tally, grad_norms = train.Tally(), []
-        for update in train.updates(cfg.train, step, costs, grpo.num_iterations, grpo.num_mini_batches):
+        updates = train.updates(cfg.train, step, costs, grpo.num_iterations, grpo.num_mini_batches)
+        for update in timer.each("update_actor", updates):
             mb = update.rows
             n = train.reduce_metrics({"tokens": lengths[mb][keep[mb]].sum(), "seqs": keep[mb].sum()})  # all ranks
-            with timer("update_actor"):
-                for chunk in actor.accumulate(update.chunks):
-                    logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
-                    old = logprobs.detach() if grpo.one_update else ix.gather(old_logprobs, device)
-                    adv, row = ix.gather(advantages, device), ix.row.to(device)  # a response's advantage per token
-                    # ratio per token, or GSPO's per response (the tokens of a response are all in this chunk)
-                    log_ratio = (algos.sequence_log_ratio(logprobs, old, row, B)
-                                 if grpo.importance_sampling_level == "sequence" else logprobs - old)
-                    if grpo.loss_type == "cispo":
-                        loss = algos.cispo_loss(logprobs, log_ratio, adv, cfg.ratio.epsilon_high)
-                        clipped = algos.cispo_clipped(log_ratio, adv, cfg.ratio.epsilon_high)
-                    else:
-                        loss = algos.clipped_surrogate(log_ratio, adv, cfg.ratio.cliprange, cfg.ratio.epsilon_high)
-                        clipped = algos.clipped_tokens(log_ratio, adv, cfg.ratio.cliprange, cfg.ratio.epsilon_high)
-                    # the engine sampled from mu, not pi_old: importance weights (algos.off_policy), measured once
-                    is_terms = (old, ix.gather(ro.sampling_logprobs, device), row, B)
-                    if correct and update.epoch == 0:
-                        tally.add(**algos.mismatch_metrics(*is_terms, **cfg.ratio.importance_sampling_args()))
-                    if correct:
-                        loss = loss * algos.importance_weights(*is_terms, **cfg.ratio.importance_sampling_args())
-                    kl = (algos.kl_estimate(logprobs, ix.gather(ref_logprobs, device), "k3") if ref is not None
-                          else torch.zeros_like(logprobs))
-                    # this micro-batch's share of the minibatch loss on all ranks (algos.reduction.loss_weights)
-                    w = algos.loss_weights(grpo.loss_type, ix.gather(lengths), max(n["tokens"], 1),
-                                           max(n["seqs"], 1), cfg.rollout.max_completion_length) * ix.gather(keep)
-                    actor.backward(algos.global_mean_share((loss + grpo.beta * kl) * w.to(device), 1.0, world))
-                    with torch.no_grad():
-                        tally.add(tokens=len(loss), pg_loss=loss, pg_clipfrac=clipped,
-                                  approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy,
-                                  kl=kl)
-                grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
+            for chunk in actor.accumulate(update.chunks):
+                logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
+                old = logprobs.detach() if grpo.one_update else ix.gather(old_logprobs, device)
+                adv, row = ix.gather(advantages, device), ix.row.to(device)  # a response's advantage per token
+                # ratio per token, or GSPO's per response (the tokens of a response are all in this chunk)
+                log_ratio = (algos.sequence_log_ratio(logprobs, old, row, B)
+                             if grpo.importance_sampling_level == "sequence" else logprobs - old)
+                loss, clipped = policy_loss.surrogate(logprobs, log_ratio, adv, cfg.ratio.cliprange,
+                                                      cfg.ratio.epsilon_high)
+                loss = correct(loss, old, ro, ix, device, tally, measure=update.epoch == 0)
+                kl = (algos.kl_estimate(logprobs, ix.gather(ref_logprobs, device), "k3") if ref is not None
+                      else torch.zeros_like(logprobs))
+                # this micro-batch's share of the minibatch loss on all ranks (algos.reduction.loss_weights)
+                w = algos.loss_weights(policy_loss.reduction, ix.gather(lengths), max(n["tokens"], 1),
+                                       max(n["seqs"], 1), cfg.rollout.max_completion_length) * ix.gather(keep)
+                actor.backward(algos.global_mean_share((loss + grpo.beta * kl) * w.to(device), 1.0, world))
+                tally.add(tokens=len(loss), pg_loss=loss, pg_clipfrac=clipped,  # Tally detaches
+                          approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy, kl=kl)
+            grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
 
         # 5. weight sync: the rollout engine generates with the updated actor from the next step on
         sync_metrics = rollouts.load_weights(actor.unwrapped(), version=step + 1)
@@ -231,26 +218,23 @@ def main():
         tokens = max(t["tokens"], 1)  # 0 when every episode of the step failed: nothing was learned
         timer.seconds["timing_s/step"] = time.time() - t_step
         metrics = {**rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments),
-                   "reward/frac_zero_std": t["flat_groups"] / t["groups"],
-                   "kl": t["kl"] / tokens,
+                   "reward/frac_zero_std": t["flat_groups"] / t["groups"], "kl": t["kl"] / tokens,
                    **{f"actor/{k}": t[k] / tokens for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    "grad_norm": sum(grad_norms) / len(grad_norms), "nonfinite_skips": actor.nonfinite_skips,
                    "learning_rate": actor.learning_rate,
                    "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(), **sampled,
                    **timer.seconds, **sync_metrics}
-        log.advance(reward=metrics["reward/mean"])
-        do_eval = held_out.ids and ((step + 1) % cfg.train.eval_steps == 0 or step + 1 == total_steps)
-        if do_eval:
-            metrics.update(evaluate())
-        if (step + 1) % cfg.train.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
-            log.log(step + 1, metrics)
-            log.log_samples(rollout.sample_rows(step + 1, rows, ro, scored.total, tokenizer))
-        train.save_if_due(accelerator, cfg.train, step + 1, flags, per_rank=rollouts)
+        if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,
+                        evaluate if held_out.ids else None):  # a logging step: a few samples beside the metrics
+            log.log_samples(rollout.sample_rows(step + 1, ro, scored.total, tokenizer))
+        if stop := train.save_if_due(accelerator, cfg.train, step + 1, flags, per_rank=rollouts):
+            break  # saved: the run ends below, without an export
 
     rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
-    models.export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.train.output_dir, "final"))
-    log.close(["reward/mean", "eval/reward_mean", "kl", "actor/entropy", "response_length/mean"])
-    train.destroy()
+    if not stop:
+        models.export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.train.output_dir, "final"))
+        log.close(["reward/mean", "eval/reward_mean", "kl", "actor/entropy", "response_length/mean"])
+    train.destroy(stop)  # after a stop signal: exits with 128 + its number
 
 
 if __name__ == "__main__":

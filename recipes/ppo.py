@@ -26,8 +26,6 @@ import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import torch
-
 from verl_kit import algos, config, models, rewards, rollout, train
 from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger, Timer
@@ -74,7 +72,6 @@ def main():
     ppo, flags = cfg.ppo, cfg.flags()
     accelerator = train.make_accelerator(cfg.train)
     world, device = accelerator.num_processes, accelerator.device
-    correct = cfg.ratio.importance_sampling(cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
 
     # ---- data, models, rewards -----------------------------------------------------------------------------------
     model_path = models.resolve_model_path(cfg.train.model_name_or_path)
@@ -83,8 +80,7 @@ def main():
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn, checkpointing = cfg.train.attn_implementation, cfg.train.gradient_checkpointing
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
-    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate,
-                            total_steps)
+    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)
     critic_path = (model_path if ppo.critic_init == "policy"
                    else models.resolve_model_path(cfg.rewards.reward_model_name_or_path))
     critic_model = train.CriticModel.from_pretrained(critic_path, ppo.critic_init, attn, checkpointing)
@@ -108,6 +104,7 @@ def main():
     start = train.resume(accelerator, cfg.train, flags, per_rank=rollouts)  # 0 unless --resume_from_checkpoint
     rollouts.load_weights(actor.unwrapped(), version=start)  # the engine samples from the (restored) actor
     log = MetricsLogger(accelerator, cfg.train.output_dir, total_steps, start, flags, cfg.train.run_name)
+    correct = train.OffPolicyCorrection(cfg.ratio, cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
 
     def evaluate():  # held out: --num_generations_eval responses per prompt, same rewards, no KL term
         return rollouts.evaluate(accelerator, held_out, reward.of_rollout, cfg.rollout.prompts_per_step // world)
@@ -118,6 +115,7 @@ def main():
     # ---- training loop -------------------------------------------------------------------------------------------
     actor.model.train()  # for gradient checkpointing (evaluation and the probe put it back after their eval mode)
     critic.model.train()
+    stop = 0  # the signal that stopped the run (preemption), once saved
     for step in range(start, total_steps):
         timer, t_step = Timer(), time.time()
         # 1. rollout
@@ -125,10 +123,9 @@ def main():
             ro, staleness = rollouts.get(step)
         mask, B = ro.response_mask, ro.response_mask.shape[0]
 
-        # 2. rewards: sequence scores (B,)
+        # 2. rewards: sequence scores (B,), each response against its dataset row (ro.rows)
         with timer("reward"):
-            rows = [prompts.rows[i] for i in ro.prompt_index]  # the dataset row of each response
-            scored = reward.of_rollout(rows, ro)
+            scored = reward.of_rollout(ro)
             scores = scored.total
 
         # 3. old log-probs (the actor before this update), reference log-probs and values
@@ -160,29 +157,23 @@ def main():
                 for chunk in actor.accumulate(update.chunks):
                     logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
                     old, adv = ix.gather(old_logprobs, device), ix.gather(advantages, device)
-                    pg = algos.clipped_surrogate(logprobs - old, adv, cfg.ratio.cliprange, cfg.ratio.epsilon_high)
-                    # the engine sampled from mu, not pi_old: importance weights (algos.off_policy), measured once
-                    is_terms = (old, ix.gather(ro.sampling_logprobs, device), ix.row.to(device), B)
-                    if correct and update.epoch == 0:
-                        tally.add(**algos.mismatch_metrics(*is_terms, **cfg.ratio.importance_sampling_args()))
-                    if correct:
-                        pg = pg * algos.importance_weights(*is_terms, **cfg.ratio.importance_sampling_args())
+                    pg, clipped = algos.clipped_surrogate(logprobs, logprobs - old, adv, cfg.ratio.cliprange,
+                                                          cfg.ratio.epsilon_high)
+                    pg = correct(pg, old, ro, ix, device, tally, measure=update.epoch == 0)
                     # token mean over the minibatch on all ranks (algos.reduction.global_mean_share)
                     actor.backward(algos.global_mean_share(pg - ppo.ent_coef * entropy, n_tok, world))
-                    with torch.no_grad():  # approx_kl = mean 0.5 (log ratio)^2 (Schulman's k2)
-                        tally.add(tokens=len(pg), pg_loss=pg, approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy,
-                                  pg_clipfrac=algos.clipped_tokens(logprobs - old, adv, cfg.ratio.cliprange,
-                                                                   cfg.ratio.epsilon_high))
+                    # approx_kl = mean 0.5 (log ratio)^2 (Schulman's k2); Tally detaches
+                    tally.add(tokens=len(pg), pg_loss=pg, approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy,
+                              pg_clipfrac=clipped)
                 grad_norms["actor"].append(actor.step(schedule=update.last))  # the LR schedule: once per step
             with timer("update_critic"):
                 for chunk in critic.accumulate(update.chunks):
                     batch, ix = packed(ro, chunk)
                     values = train.critic_values(critic.model, batch.to(device), ix)
                     old_v, ret = ix.gather(old_values, device), ix.gather(returns, device)
-                    vf = algos.value_loss(values, old_v, ret, ppo.cliprange_value)
+                    vf, vf_clipped = algos.value_loss(values, old_v, ret, ppo.cliprange_value)
                     critic.backward(algos.global_mean_share(vf, n_tok, world))
-                    tally.add(vf_loss=vf.detach(),
-                              vf_clipfrac=algos.value_clipped(values.detach(), old_v, ret, ppo.cliprange_value))
+                    tally.add(vf_loss=vf.detach(), vf_clipfrac=vf_clipped)
                 grad_norms["critic"].append(critic.step(schedule=update.last))
 
         # 6. weight sync: the rollout engine generates with the updated actor from the next step on
@@ -208,20 +199,18 @@ def main():
                    **rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments),
                    "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(),
                    "learning_rate": actor.learning_rate, **timer.seconds, **sync_metrics}
-        log.advance(reward=metrics["reward/mean"])
-        do_eval = held_out.ids and ((step + 1) % cfg.train.eval_steps == 0 or step + 1 == total_steps)
-        if do_eval:
-            metrics.update(evaluate())
-        if (step + 1) % cfg.train.logging_steps == 0 or step == start or step + 1 == total_steps or do_eval:
-            log.log(step + 1, metrics)
-            log.log_samples(rollout.sample_rows(step + 1, rows, ro, scores, tokenizer))
-        train.save_if_due(accelerator, cfg.train, step + 1, flags, per_rank=rollouts)
+        if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,
+                        evaluate if held_out.ids else None):  # a logging step: a few samples beside the metrics
+            log.log_samples(rollout.sample_rows(step + 1, ro, scores, tokenizer))
+        if stop := train.save_if_due(accelerator, cfg.train, step + 1, flags, per_rank=rollouts):
+            break  # saved: the run ends below, without an export
 
     rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
-    models.export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.train.output_dir, "final"))
-    log.close(["reward/mean", "eval/reward_mean", "kl", "actor/entropy", "critic/explained_var",
-               "response_length/mean"])
-    train.destroy()
+    if not stop:
+        models.export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.train.output_dir, "final"))
+        log.close(["reward/mean", "eval/reward_mean", "kl", "actor/entropy", "critic/explained_var",
+                   "response_length/mean"])
+    train.destroy(stop)  # after a stop signal: exits with 128 + its number
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ def main():
 
     # ---- training loop -------------------------------------------------------------------------------------------
     rm.model.train()
+    stop = 0  # the signal that stopped the run (preemption), once saved
     for step in range(start, total_steps):
         t0 = time.time()
         idx = train.step_indices(len(pairs), step, per_step, tc.seed, rank, world)
@@ -113,11 +114,13 @@ def main():
                                "timing_s/step": dt, "tokens": t["tokens"]})
         if test and ((step + 1) % tc.eval_steps == 0 or step + 1 == total_steps):
             evaluate(step + 1)
-        train.save_if_due(accelerator, tc, step + 1, flags)
+        if stop := train.save_if_due(accelerator, tc, step + 1, flags):
+            break  # saved: the run ends below, without an export
 
-    models.export_hf(accelerator, rm.model, tokenizer, os.path.join(tc.output_dir, "final"))
-    log.close(["loss", "rewards/accuracy", "eval/rewards/accuracy", "perf/tokens_per_s"])
-    train.destroy()
+    if not stop:
+        models.export_hf(accelerator, rm.model, tokenizer, os.path.join(tc.output_dir, "final"))
+        log.close(["loss", "rewards/accuracy", "eval/rewards/accuracy", "perf/tokens_per_s"])
+    train.destroy(stop)  # after a stop signal: exits with 128 + its number
 
 
 if __name__ == "__main__":

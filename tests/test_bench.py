@@ -16,7 +16,7 @@ def test_bench_tool_template(tiny_model_path):
     from transformers import AutoTokenizer
     from trl.chat_template_utils import is_chat_template_prefix_preserving, parse_response, supports_tool_calling
 
-    from verl_kit.rollout.episodes import check_prefix_property
+    from verl_kit.rollout.chat import check_prefix_property
     from verl_kit.rollout.tools import parse_tool_calls, supports_tools
 
     spec = importlib.util.spec_from_file_location("episodes_vs_trl", REPO / "bench" / "episodes_vs_trl.py")

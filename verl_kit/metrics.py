@@ -81,6 +81,12 @@ class Timer:
             key = f"timing_s/{phase}"
             self.seconds[key] = self.seconds.get(key, 0.0) + time.time() - t0
 
+    def each(self, phase: str, iterable):
+        """The items of `iterable`, the whole loop over them (its bodies included) timed as `phase`: `for update in
+        timer.each("update_actor", updates): ...` is one nesting level where a `with` around the loop is two."""
+        with self(phase):
+            yield from iterable
+
 
 def check_writable(output_dir: str) -> None:
     """A UserError naming --output_dir when it cannot be created or written."""
@@ -139,6 +145,7 @@ class MetricsLogger:
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.samples_path = os.path.join(output_dir, "samples.jsonl")
         self.start = time.time()
+        self.start_step, self.total_steps = start_step, total_steps
         self.bar = None
         if not self.main:
             return
@@ -189,6 +196,23 @@ class MetricsLogger:
             self.bar.update(n)
             if postfix:
                 self.bar.set_postfix({k: _fmt(v) for k, v in postfix.items()}, refresh=False)
+
+    def end_step(self, step: int, metrics: dict, logging_steps: int, eval_steps: int, evaluate=None,
+                 progress: str = "reward/mean") -> bool:
+        """The end of optimizer step `step` (counted from 1) of an online recipe, on every process: the progress bar
+        shows `metrics[progress]`; at an evaluation step (every `eval_steps`, and the last) `evaluate()`'s held-out
+        metrics (collective: every process calls it) join `metrics`; at a logging step (every `logging_steps`, this
+        run's first step, the last, an evaluation step) `metrics` are logged. `evaluate` None: no held-out split.
+        Returns whether it logged (the recipe then logs a few samples beside: log_samples)."""
+        self.advance(**{progress.split("/")[0]: metrics[progress]})
+        last = step == self.total_steps
+        do_eval = evaluate is not None and (step % eval_steps == 0 or last)
+        if do_eval:
+            metrics.update(evaluate())
+        logged = step % logging_steps == 0 or step == self.start_step + 1 or last or do_eval
+        if logged:
+            self.log(step, metrics)
+        return logged
 
     def close(self, plot_keys: list[str]) -> None:
         if not self.main:

@@ -114,7 +114,7 @@ def test_weights_are_detached_and_scale_the_policy_gradient():
     assert not w.requires_grad and w.grad_fn is None
     logprobs = TOKEN_OLD.clone().requires_grad_(True)
     adv = torch.tensor([1.0, -1.0, 2.0, 1.0])
-    (clipped_surrogate(logprobs - TOKEN_OLD, adv, 0.2) * w).sum().backward()
+    (clipped_surrogate(logprobs, logprobs - TOKEN_OLD, adv, 0.2).loss * w).sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([-0.5, 1.5, -5.0, -3.0]))
     assert old.grad is None
 

@@ -112,7 +112,8 @@ def test_qwen3_template_trains_multi_turn_through_trls_training_template(tiny_mo
     from helpers import qwen3_tokenizer
     from trl.chat_template_utils import qwen3_training_chat_template
 
-    from verl_kit.rollout.episodes import check_prefix_property, supports_tools
+    from verl_kit.rollout.chat import check_prefix_property
+    from verl_kit.rollout.tools import supports_tools
 
     path = qwen3_tokenizer(tiny_model_path, tmp_path / "qwen3")
     plain = load_tokenizer(path)

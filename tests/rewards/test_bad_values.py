@@ -5,6 +5,7 @@ the issue's case through recipes/grpo.py: an environment whose get_reward() is N
 line, with no checkpoint, and with --reward_fallback the run trains on finite rewards only, weights finite."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,9 +52,9 @@ def test_reward_weights_and_an_overflowing_total(tokenizer):
     rows = [{"prompt": "p0"}, {"prompt": "p1"}]
     twice = f"{__name__}:huge,{__name__}:huge"
     with pytest.raises(UserError, match=r"^the weighted reward total returned inf for sample 0 \(prompt 'p0'"):
-        Rewards(twice, None, None, tokenizer=tokenizer).of_rollout(rows, ro)
+        Rewards(twice, None, None, tokenizer=tokenizer).of_rollout(replace(ro, rows=rows))
     rewards = Rewards(twice, None, None, tokenizer=tokenizer, limits=CallLimits(fallback=0.0))
-    assert rewards.of_rollout(rows, ro).total.tolist() == [0.0, 0.0] and rewards.limits.errors == 2
+    assert rewards.of_rollout(replace(ro, rows=rows)).total.tolist() == [0.0, 0.0] and rewards.limits.errors == 2
 
 
 class NaNReward:
@@ -76,10 +77,10 @@ def test_environment_nan_reward_names_the_environment_and_the_sample(tokenizer):
                   max_prompt_length=256, max_completion_length=64).run(ROWS, [1, 2], SamplingParams())
     with pytest.raises(UserError, match=r"^environment NaNReward\.get_reward\(\) returned nan for sample 0 \(prompt "
                                         r"\"\[\{'role': 'user', .*completion 'lovely day'\); expected a finite number"):
-        Rewards("none", None, None, tokenizer=tokenizer, env_reward=True).of_rollout(ROWS, ro)
+        Rewards("none", None, None, tokenizer=tokenizer, env_reward=True).of_rollout(replace(ro, rows=ROWS))
     rewards = Rewards("verl_kit.rewards:kind_reply", None, None, tokenizer=tokenizer, env_reward=True,
                       limits=CallLimits(fallback=0.25))
-    scored = rewards.of_rollout(ROWS, ro)
+    scored = rewards.of_rollout(replace(ro, rows=ROWS))
     assert scored.sources["environment"].tolist() == [0.25, 0.25] and rewards.limits.errors == 2
     assert scored.total.tolist() == [0.5, 0.5]  # kind_reply: one kind word, 1/4
 

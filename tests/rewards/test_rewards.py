@@ -5,6 +5,7 @@ overlong punishment (and TRL's own function)."""
 
 import math
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -166,7 +167,7 @@ def test_each_reward_source_is_logged(tmp_path, tokenizer):
     mask = torch.tensor([[j < len(x) for j in range(R)] for x in ids])
     ro = Rollout([[1, 2]] * 4, response, mask, torch.zeros(response.shape), torch.tensor([False, False, False, True]),
                  env_reward=torch.tensor([0.0, 1.0, 0.0, 2.0]))
-    scored = rewards.of_rollout(rows, ro)
+    scored = rewards.of_rollout(replace(ro, rows=rows))
     torch.testing.assert_close(scored.total, torch.tensor([1 + 0.5, 0 + 1.0, 1.0, 0.5 - 1.0 + 2.0]))
     m = rollout_metrics(ro, scored, 1.0)
     assert m["reward/mean"] == pytest.approx(1.25)

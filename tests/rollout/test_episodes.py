@@ -8,6 +8,7 @@ import contextlib
 import copy
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ from helpers import (
 
 from verl_kit.errors import UserError
 from verl_kit.rollout import SamplingParams
-from verl_kit.rollout.episodes import Episodes, check_prefix_property
+from verl_kit.rollout.chat import check_prefix_property
+from verl_kit.rollout.episodes import Episodes
 from verl_kit.rollout.prompts import episode_metrics
 from verl_kit.train.actor_critic import pack_responses
 
@@ -98,7 +100,7 @@ def test_calculator_example_environment(tokenizer):
                       max_prompt_length=1024, max_completion_length=400).run([row], [1], SamplingParams())
         assert ro.episodes[0]["messages"][-2]["content"] == "<tool_response>\n560868\n</tool_response>"
         assert ro.env_reward.tolist() == [reward] and ro.episodes[0]["tool_calls"] == 1
-        scored = Rewards("none", None, None, tokenizer=tokenizer, env_reward=True).of_rollout([row], ro)
+        scored = Rewards("none", None, None, tokenizer=tokenizer, env_reward=True).of_rollout(replace(ro, rows=[row]))
         assert scored.total.tolist() == [reward]
         if reward:  # the warm-start trace of this row (SFT messages) renders to exactly this episode's tokens
             traces = load_object("traces", "examples/environments.py:calculator_traces")
@@ -211,7 +213,7 @@ def test_multi_environment_rows_choose_their_environment(model, request):
     split = Prompts(rows, [[0]] * 3)
     held_out = evaluate(SimpleNamespace(num_processes=1, process_index=0, is_main_process=False),
                         lambda idx, params: eps.generate(split, idx, params, "the held-out split"), split,
-                        SamplingParams(), lambda rows, ro: Scores(ro.env_reward), 3, environments=eps.environments)
+                        SamplingParams(), lambda ro: Scores(ro.env_reward), 3, environments=eps.environments)
     assert {k: v for k, v in held_out.items() if k.startswith("eval/env/")} == pytest.approx({
         "eval/env/calc/reward_mean": 1.0, "eval/env/kind/reward_mean": 0.05, "eval/env/strict/reward_mean": 2.0})
     for bad, shown in (({**rows[0], "environment": "chess"}, "'chess'"), (dict(ROW), "None")):

@@ -62,15 +62,17 @@ def test_evaluate_scores_every_held_out_prompt_once(tiny_model_path, tokenizer):
     prompts = [[5, 6, 7 + i] for i in range(5)]
     lengths = []
 
-    def score(raw, ro):
+    def score(ro):
         lengths.append(ro.response_mask.sum(-1))
-        return Scores(torch.tensor(raw, dtype=torch.float32))
+        return Scores(torch.tensor(ro.rows, dtype=torch.float32))
 
     state = torch.get_rng_state()
-    def generate(idx, params):
-        return engine.generate([prompts[i] for i in idx], params)
+    split = Prompts(list(range(5)), prompts)  # the "dataset row" of prompt i is its number
 
-    out = evaluate(Accelerator(cpu=True), generate, Prompts(list(range(5)), prompts),
+    def generate(idx, params):  # as rollout.Rollouts: the batch carries its dataset rows
+        return engine.generate([prompts[i] for i in idx], params).with_prompts(Prompts.each(idx, params.n), split.rows)
+
+    out = evaluate(Accelerator(cpu=True), generate, split,
                    SamplingParams(max_new_tokens=6, n=3), score, batch_size=2)
     assert torch.equal(torch.get_rng_state(), state)
     assert out["eval/reward_mean"] == 2.0

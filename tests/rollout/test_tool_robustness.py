@@ -4,6 +4,7 @@ that exits, and an environment whose `respond` or `get_reward` raises each end t
 model sees, counted in tools/failure_frequency) or that episode (counted in episode/env_errors), never the run."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -98,7 +99,7 @@ def test_environment_methods_that_raise_end_the_episode_counted(tokenizer):
     assert "Exceeds the limit" in ep["messages"][-2]["content"] and ep["messages"][-1]["content"] == "not json"
     assert ep["reward_error"].startswith("Fragile.get_reward raised ValueError: invalid literal for int()")
     assert episode_metrics(ro, torch.zeros(1))["episode/env_errors"] == 2.0
-    assert Rewards("none", None, None, tokenizer=tokenizer, env_reward=True).of_rollout([ROW], ro).total.tolist() == \
-        [0.0]
+    ro = replace(ro, rows=[ROW])  # the dataset row it was played from
+    assert Rewards("none", None, None, tokenizer=tokenizer, env_reward=True).of_rollout(ro).total.tolist() == [0.0]
     rewards = Rewards("none", None, None, tokenizer=tokenizer, env_reward=True, limits=CallLimits(fallback=-1.0))
-    assert rewards.of_rollout([ROW], ro).total.tolist() == [-1.0] and rewards.limits.errors == 1
+    assert rewards.of_rollout(ro).total.tolist() == [-1.0] and rewards.limits.errors == 1

@@ -47,7 +47,7 @@ def main(model_path: str, out: str, responses: int, prompt_length: int, length: 
             old = scores()[0]
         for _ in policy.accumulate([rows]):
             logprobs, entropy = scores()
-            loss = algos.clipped_surrogate(logprobs - old, ix.gather(adv), 0.2).mean()
+            loss = algos.clipped_surrogate(logprobs, logprobs - old, ix.gather(adv), 0.2).loss.mean()
             policy.backward(loss)
         policy.step()
         steps.append({"loss": float(loss), "entropy": float(entropy.mean()), "tokens": len(ix.targets)})

@@ -21,13 +21,13 @@ from verl_kit.algos.distill import generalized_jsd, reverse_kl_advantages
 from verl_kit.algos.evaluation import pass_at_k
 from verl_kit.algos.off_policy import MODES, check_args, importance_weights, mismatch_metrics, step_metrics
 from verl_kit.algos.policy import (
-    cispo_clipped,
-    cispo_loss,
+    POLICY_LOSSES,
+    PolicyLoss,
+    Surrogate,
+    cispo,
     clipped_surrogate,
-    clipped_tokens,
     entropy_from_logits,
     sequence_log_ratio,
-    value_clipped,
     value_loss,
 )
 from verl_kit.algos.preference import (
@@ -42,5 +42,5 @@ from verl_kit.algos.preference import (
     kl_reference_point,
     kto_loss,
 )
-from verl_kit.algos.reduction import global_mean_share, loss_weights
+from verl_kit.algos.reduction import REDUCTIONS, global_mean_share, loss_weights
 from verl_kit.algos.sampling import group_rows, informative_groups, select_groups

@@ -12,8 +12,9 @@ distribution actually sampled, after temperature: vLLM with `logprobs_mode="proc
 server without it), the trainer's logits divided by the same temperature.
 
 How it is applied. The weight is a constant (detached): the per-token policy-gradient loss is multiplied by it,
-`clipped_surrogate(logprobs - old_logprobs, adv, clip) * w`, before the KL penalty is added (the KL term is not
-weighted) and before the token reduction (algos.reduction.loss_weights). This is TRL 1.16 GRPOTrainer's order.
+`clipped_surrogate(logprobs, logprobs - old_logprobs, adv, clip).loss * w`, before the KL penalty is added (the KL
+term is not weighted) and before the token reduction (algos.reduction.loss_weights). This is TRL 1.16 GRPOTrainer's
+order.
 
 The modes are TRL's `vllm_importance_sampling_mode`, with its bounds `vllm_importance_sampling_clip_max` (C_max,
 default 3.0) and `vllm_importance_sampling_clip_min` (C_min, default None):

@@ -75,19 +75,21 @@ class Rewards:
         (a collective: every process calls it at the same point)."""
         return reduce_metrics({"reward/timeouts": self.limits.timeouts, "reward/errors": self.limits.errors})
 
-    def of_rollout(self, rows: list[dict], rollout) -> Scores:
+    def of_rollout(self, rollout) -> Scores:
         """The Scores of a rollout.Rollout's responses, decoded with the policy's tokenizer (special tokens dropped;
         `tokenizer`, set by make_rewards): the weighted total (B,) and each source's own scores (the environment's
-        get_reward() as `environment`, added with weight 1 as TRL does). `rows`: the dataset row of each response
-        (its `prompt` field, and the other columns the reward functions may read). The reward functions may also
-        take `completion_ids` (the responses' token ids). Nothing non-finite comes out: a source's NaN or inf score,
-        or a weighted total that overflows, is --reward_fallback (counted in reward/errors) or a one-line UserError
-        naming the source and the sample. An agent's episode of several rows (rollout.agents: per-call samples) is
-        scored once, on its last row (its final call), and every row of it gets that score."""
+        get_reward() as `environment`, added with weight 1 as TRL does). Each response is scored against its dataset
+        row (`rollout.rows`: its `prompt` field, and the other columns the reward functions may read). The reward
+        functions may also take `completion_ids` (the responses' token ids). Nothing non-finite comes out: a source's
+        NaN or inf score, or a weighted total that overflows, is --reward_fallback (counted in reward/errors) or a
+        one-line UserError naming the source and the sample. An agent's episode of several rows (rollout.agents:
+        per-call samples) is scored once, on its last row (its final call), and every row of it gets that score."""
+        if rollout.rows is None:
+            raise ValueError("Rewards.of_rollout: the rollout carries no dataset rows (Rollout.rows)")
         if rollout.episode is not None:
             last = rollout.last_rows()
-            return self.of_rollout([rows[i] for i in last], select_rows(rollout, last)).select(
-                rollout.row_episode().tolist())
+            return self.of_rollout(select_rows(rollout, last)).select(rollout.row_episode().tolist())
+        rows = rollout.rows
         ids = [r[m] for r, m in zip(rollout.response_ids, rollout.response_mask)]
         completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         prompts = [r["prompt"] for r in rows]

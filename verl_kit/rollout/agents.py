@@ -39,15 +39,22 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
-
-import torch
+from dataclasses import dataclass, field
 
 from verl_kit.errors import UserError
+from verl_kit.rollout.chat import ChatRenderer
 from verl_kit.rollout.endpoint import Endpoint, EndpointError, Request
-from verl_kit.rollout.episodes import Episodes, check_prefix_property
 from verl_kit.rollout.tools import TOOL_CALL, parse_tool_calls
-from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams
+from verl_kit.rollout.types import (
+    Prompts,
+    Rollout,
+    RolloutBackend,
+    Sample,
+    SamplingParams,
+    episode_info,
+    generate_turn,
+    rollout_of_samples,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,27 +62,11 @@ GATHER_S = 0.02  # a batch waits this long for one more request while some runni
 
 
 @dataclass
-class _Sample:
-    """One training sequence: a prompt and what followed it, sampled or inserted."""
-
-    prompt: list[int]
-    ids: list[int] = field(default_factory=list)
-    sampled: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    truncated: bool = False
-
-    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
-        self.ids += ids
-        self.sampled += [logprobs is not None] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-
-
-@dataclass
 class _Episode:
     row: dict
     row_no: int
     prompt: list[int]  # the dataset prompt's ids: the row of an episode that made no call
-    samples: list[_Sample] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
     history: list[tuple] = field(default_factory=list)  # the last request's messages and its reply, normalised
     tools: str = ""  # the last request's tools, as JSON
     served: dict = field(default_factory=dict)  # normalised reply -> the text the policy wrote
@@ -114,9 +105,9 @@ def _normal(m: dict) -> tuple:
 
 
 class AgentEpisodes:
-    """Episodes run by an agent function (`agent`, loaded from --agent) over `engine` (a RolloutBackend), with the
-    same generate(split, idx, params, source) as rollout.episodes.Episodes. `max_calls`: requests per episode at most
-    (--max_tool_calling_iterations + 1), None: unbounded."""
+    """Episodes run by an agent function (`agent`, loaded from --agent) over `engine` (a RolloutBackend): a
+    rollout.types.EpisodeRunner. `max_calls`: requests per episode at most (--max_tool_calling_iterations + 1), None:
+    unbounded."""
 
     environments: tuple[str, ...] = ()
 
@@ -130,13 +121,9 @@ class AgentEpisodes:
         self.max_concurrency, self.timeout_s, self.max_calls = max_concurrency, timeout_s, max_calls
         self.max_prompt_length, self.max_completion_length = max_prompt_length, max_completion_length
         # the template's rendering: tool descriptions (or the fallback system prompt), tool results, turn suffixes
-        self.chat = Episodes(engine, tokenizer, model_name, None, (), None, None, max_prompt_length,
-                             max_completion_length)
-        try:  # turns are spliced onto the previous ids only where the template appends (else each call re-renders)
-            check_prefix_property(tokenizer, model_name, self.chat.native_tools)
-            self.appends = True
-        except UserError:
-            self.appends = False
+        self.chat = ChatRenderer(tokenizer, model_name)
+        # turns are spliced onto the previous ids only where the template appends (else each call re-renders)
+        self.appends = self.chat.appends(with_tools=True)
         self._queue: queue.Queue = queue.Queue()
         self.endpoint = Endpoint(self._queue, os.path.basename(model_name.rstrip("/")) or "policy", timeout_s + 60)
         self._loop = asyncio.new_event_loop()
@@ -145,10 +132,10 @@ class AgentEpisodes:
         self._seed = 0
 
     # ---- one generation: the agents run, the endpoint's requests are served here ------------------------------
-    def generate(self, split, idx: list[int], params: SamplingParams, source: str = "dataset") -> Rollout:
-        """params.n episodes of each dataset row `split.rows[i]` (a rollout.prompts.Prompts), i in `idx`, in that
+    def generate(self, split: Prompts, idx: list[int], params: SamplingParams, source: str = "dataset") -> Rollout:
+        """params.n episodes of each dataset row `split.rows[i]`, i in `idx`, in that
         order: one row per episode, or several where its calls did not extend each other (Rollout.episode)."""
-        index = [i for i in idx for _ in range(params.n)]
+        index = Prompts.each(idx, params.n)
         eps = [_Episode(copy.deepcopy(split.rows[i]), i + 1, list(split.ids[i])) for i in index]
         self._seed = 0 if params.seed is None else params.seed
         running = asyncio.run_coroutine_threadsafe(self._run_all(eps), self._loop)
@@ -253,22 +240,15 @@ class AgentEpisodes:
         todo = [t for t in todo if self._reply_if_spent(*t)]
         if not todo:
             return
-        budgets = [t[3] for t in todo]
         try:
-            ro = self.engine.generate([t[1] for t in todo],
-                                      replace(params, n=1, max_new_tokens=max(budgets),
-                                              seed=None if params.seed is None else self._seed, ignore_eos=False,
-                                              stop=None))
+            turns = generate_turn(self.engine, [t[1] for t in todo], [t[3] for t in todo], params,
+                                  None if params.seed is None else self._seed)
         except BaseException:
             for job, *_ in todo:
                 job.reply(EndpointError(500, "the rollout engine failed; the run stops"))
             raise
         self._seed += len(todo)
-        for j, (job, prompt, sample, budget, messages) in enumerate(todo):
-            m = ro.response_mask[j]
-            ids, logprobs = ro.response_ids[j][m].tolist(), ro.sampling_logprobs[j][m].tolist()
-            ended = not bool(ro.truncated[j]) and len(ids) <= budget
-            ids, logprobs = ids[:budget], logprobs[:budget]
+        for (job, prompt, sample, _, messages), (ids, logprobs, ended) in zip(todo, turns):
             job.reply(self._record(job.episode, job.body, prompt, sample, ids, logprobs, ended, messages))
 
     def _prepare(self, ep: _Episode, body: dict):
@@ -345,11 +325,11 @@ class AgentEpisodes:
                 out.append({"role": role, "content": _text(m.get("content"))})
         return out
 
-    def _record(self, ep: _Episode, body: dict, prompt: list[int], sample: _Sample | None, ids: list[int],
+    def _record(self, ep: _Episode, body: dict, prompt: list[int], sample: Sample | None, ids: list[int],
                 logprobs: list[float], ended: bool, messages: list[dict]) -> dict:
         """Keep a served call as training data and return its chat.completion."""
         if sample is None:
-            sample = _Sample(list(prompt))
+            sample = Sample(list(prompt))
             ep.samples.append(sample)
         else:
             sample.add(prompt[len(sample.prompt) + len(sample.ids):], None)
@@ -394,30 +374,13 @@ class AgentEpisodes:
     # ---- the batch --------------------------------------------------------------------------------------------
     def to_rollout(self, eps: list[_Episode]) -> Rollout:
         """One row per training sample (an episode that made no call: its dataset prompt and no response)."""
-        rows, episode = [], []
-        for e, ep in enumerate(eps):
-            for sample in ep.samples or [_Sample(ep.prompt, truncated=ep.truncated)]:
-                rows.append((ep, sample))
-                episode.append(e)
-        B, R = len(rows), max(1, max(len(s.ids) for _, s in rows))
-        ids = torch.full((B, R), self.tokenizer.pad_token_id, dtype=torch.long)
-        sampled = torch.zeros((B, R), dtype=torch.bool)
-        inserted = torch.zeros((B, R), dtype=torch.bool)
-        logprobs = torch.zeros((B, R), dtype=torch.float32)
-        for i, (_, s) in enumerate(rows):
-            n = len(s.ids)
-            ids[i, :n] = torch.tensor(s.ids, dtype=torch.long)
-            sampled[i, :n] = torch.tensor(s.sampled, dtype=torch.bool)
-            inserted[i, :n] = ~sampled[i, :n]
-            logprobs[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        info = [{"turns": ep.calls, "tool_calls": ep.tool_calls, "tool_failures": 0,
-                 "env_tokens": int(sum(not x for x in s.sampled)), "messages": ep.messages or ep.row.get("prompt"),
-                 "environment": None, "env_errors": int(ep.failure is not None), "reward_error": ep.failure,
-                 "env_class": self.name, "reward_source": "agent"} for ep, s in rows]
-        return Rollout([s.prompt for _, s in rows], ids, sampled, logprobs,
-                       torch.tensor([s.truncated for _, s in rows]), env_mask=inserted,
-                       env_reward=torch.tensor([ep.reward for ep, _ in rows], dtype=torch.float32), episodes=info,
-                       episode=None if episode == list(range(B)) else episode)
+        rows = [(e, ep, s) for e, ep in enumerate(eps)
+                for s in ep.samples or [Sample(ep.prompt, truncated=ep.truncated)]]
+        infos = [episode_info(ep.calls, ep.tool_calls, ep.messages or ep.row.get("prompt"),
+                              env_errors=int(ep.failure is not None), reward_error=ep.failure, env_class=self.name,
+                              reward_source="agent") for _, ep, _ in rows]
+        return rollout_of_samples([s for *_, s in rows], self.tokenizer.pad_token_id, [ep.reward for _, ep, _ in rows],
+                                  infos, episode=[e for e, *_ in rows])
 
     def close(self) -> None:
         self.endpoint.close()

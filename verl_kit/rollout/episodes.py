@@ -29,36 +29,39 @@ import copy
 import inspect
 import logging
 import math
-from dataclasses import dataclass, field, replace
-
-import torch
+from dataclasses import dataclass, field
 
 from verl_kit.config import EnvironmentConfig, load_object
 from verl_kit.errors import UserError
+from verl_kit.rollout.chat import ChatRenderer, check_prefix_property
 from verl_kit.rollout.tools import (
     call_tool,
-    describe_tools,
     environment_tools,
     parse_tool_calls,
-    supports_tools,
     tool_schema,
 )
-from verl_kit.rollout.types import Rollout, RolloutBackend, SamplingParams
+from verl_kit.rollout.types import (
+    Prompts,
+    Rollout,
+    RolloutBackend,
+    Sample,
+    SamplingParams,
+    episode_info,
+    generate_turn,
+    rollout_of_samples,
+)
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Episode:
-    env: object | None
-    tools: dict
-    prompt: list[int]
-    messages: list[dict]  # the conversation as text, for samples.jsonl
-    ids: list[int] = field(default_factory=list)  # the response: sampled and environment tokens
-    sampled: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+class _Episode(Sample):
+    """An episode's one training sequence (its prompt and response, rollout.types.Sample) and its state."""
+
+    env: object | None = None
+    tools: dict = field(default_factory=dict)
+    messages: list[dict] = field(default_factory=list)  # the conversation as text, for samples.jsonl
     done: bool = False
-    truncated: bool = False
     turns: int = 0
     tool_rounds: int = 0
     tool_calls: int = 0
@@ -68,15 +71,26 @@ class _Episode:
     env_errors: int = 0  # respond or get_reward raised
     reward_error: str | None = None  # why get_reward gave no reward
 
-    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
-        self.ids += ids
-        self.sampled += [logprobs is not None] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-
 
 def _call(fn, *args):
     result = fn(*args)
     return asyncio.run(result) if inspect.isawaitable(result) else result
+
+
+class SingleTurn:
+    """The trivial runner (rollout.types.EpisodeRunner): one generation per sample from its prompt's token ids."""
+
+    environments: tuple[str, ...] = ()
+
+    def __init__(self, engine: RolloutBackend):
+        self.engine = engine
+
+    def generate(self, split: Prompts, idx: list[int], params: SamplingParams, source: str = "dataset") -> Rollout:
+        """params.n responses to each prompt `split.ids[i]`, i in `idx`, in that order."""
+        return self.engine.generate([split.ids[i] for i in idx], params)
+
+    def close(self) -> None:
+        pass
 
 
 class Episodes:
@@ -93,7 +107,7 @@ class Episodes:
         self.tools = {t.__name__: t for t in tools}
         self.max_iterations, self.tool_timeout_s = max_tool_calling_iterations, tool_timeout_s
         self.max_prompt_length, self.max_completion_length = max_prompt_length, max_completion_length
-        self.native_tools = supports_tools(tokenizer)
+        self.chat = ChatRenderer(tokenizer, model_name)
         self._warned = False  # an environment method raised (warned once)
         probes = [factory() for factory in self.env_factories.values()]
         self.has_tools = bool(self.tools) or any(environment_tools(probe) for probe in probes)
@@ -101,52 +115,12 @@ class Episodes:
             if not callable(getattr(probe, "reset", None)):
                 raise UserError(f"--environment_factory {type(probe).__name__}: an environment must define "
                                 "reset(**row)")
-        check_prefix_property(tokenizer, model_name, self.has_tools and self.native_tools)
+        check_prefix_property(tokenizer, model_name, self.has_tools and self.chat.native_tools)
 
     @property
     def environments(self) -> tuple[str, ...]:
         """The environments' names in the multi-environment form (each gets its own env/<name>/* metrics), else ()."""
         return tuple(sorted(self.env_factories)) if self.multi_env else ()
-
-    # ---- rendering --------------------------------------------------------------------------------------------
-    def _render(self, messages: list[dict], schemas: list[dict], **kw):
-        if schemas and self.native_tools:
-            kw["tools"] = schemas
-        return self.tokenizer.apply_chat_template(messages, **kw)
-
-    def render_prompt(self, messages: list[dict], schemas: list[dict]) -> list[int]:
-        if schemas and not self.native_tools:  # the fallback: the tools described in the system message
-            text = describe_tools(schemas)
-            if messages[0]["role"] == "system":
-                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text}
-            else:
-                messages.insert(0, {"role": "system", "content": text})
-        return list(self._render(messages, schemas, tokenize=True, add_generation_prompt=True, return_dict=False))
-
-    def env_message(self, role: str, content: str, name: str | None = None) -> dict:
-        """A tool result as the template expects it: a `tool` message, or (fallback) a user message wrapping it in
-        <tool_response> as Hermes does; an environment reply is a user message."""
-        if role == "tool" and not self.native_tools:
-            return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
-        return {"role": role, "content": content, **({"name": name} if name else {})}
-
-    def suffix_ids(self, messages: list[dict]) -> list[int]:
-        """The tokens the chat template adds for `messages` after an assistant turn, up to the next generation
-        prompt: rendered after a dummy exchange, minus the exchange up to its EOS (TRL's _get_tool_suffix_ids)."""
-        assistant = {"role": "assistant", "content": "dummy"}
-        if messages[0]["role"] == "tool" and self.native_tools:
-            assistant = {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": messages[0].get("name", "tool"), "arguments": {}}}]}
-        dummy = [{"role": "user", "content": "dummy"}, assistant]
-        prefix = list(self.tokenizer.apply_chat_template(dummy, tokenize=True, return_dict=False))
-        full = list(self.tokenizer.apply_chat_template(dummy + messages, tokenize=True, return_dict=False,
-                                                       add_generation_prompt=True))
-        eos = [i for i, t in enumerate(prefix) if t == self.tokenizer.eos_token_id]
-        prefix = prefix[:eos[-1] + 1] if eos else prefix
-        if full[:len(prefix)] != prefix:
-            raise UserError(f"{self.model_name}: the chat template's rendering of a {messages[0]['role']} message "
-                            "changes the tokens before it (see docs/environments.md)")
-        return full[len(prefix):]
 
     # ---- episodes ---------------------------------------------------------------------------------------------
     def _environment(self, row: dict, row_no: int, source: str) -> tuple[object | None, dict]:
@@ -175,12 +149,12 @@ class Episodes:
         tools = {**self.tools, **(environment_tools(env) if env is not None else {})}
         schemas = [tool_schema(fn) for fn in tools.values()]
         shown = copy.deepcopy(messages)
-        ids = self.render_prompt(shown, schemas)
+        ids = self.chat.render_prompt(shown, schemas)
         if len(ids) > self.max_prompt_length:
             raise UserError(f"{source} row {row_no}: the prompt with its tool descriptions is {len(ids)} tokens, over "
                             f"--max_prompt_length {self.max_prompt_length} (cutting it would lose the tools)")
-        return _Episode(env, tools, ids, shown, environment=row.get("environment") if self.multi_env else None,
-                        row_no=row_no)
+        return _Episode(ids, env=env, tools=tools, messages=shown,
+                        environment=row.get("environment") if self.multi_env else None, row_no=row_no)
 
     def react(self, ep: _Episode, text: str) -> list[dict] | None:
         """The environment's answer to an assistant turn: tool results, a reply, or None (the episode ends)."""
@@ -194,12 +168,12 @@ class Episodes:
                 name, result, failed = call_tool(ep.tools, call, self.tool_timeout_s)
                 ep.tool_calls += 1
                 ep.tool_failures += failed
-                out.append(self.env_message("tool", result, name))
+                out.append(self.chat.env_message("tool", result, name))
             return out
         if ep.env is not None and callable(getattr(ep.env, "respond", None)):
             try:
                 reply = _call(ep.env.respond, text)
-                return None if reply is None else [self.env_message("user", str(reply))]
+                return None if reply is None else [self.chat.env_message("user", str(reply))]
             except (Exception, SystemExit) as e:  # noqa: BLE001 - the environment failed on the model's text
                 self._env_error(ep, "respond", e)
                 return None  # the episode ends there
@@ -233,7 +207,7 @@ class Episodes:
         `messages` for the SFT recipe: warm-start traces for a model that never calls the tools. The prompt is the
         episode's (under the fallback, the tools described in the system message), each turn's tool calls run for
         real and their results come back as the loop inserts them; it stops where the episode would end."""
-        if self.native_tools:
+        if self.chat.native_tools:
             raise UserError(f"{self.model_name}: the chat template renders tools itself; warm-start traces are written "
                             "for templates without tool support (tools in the system message)")
         ep = self.start(row, row_no, source)
@@ -248,7 +222,7 @@ class Episodes:
     def generate(self, split, idx: list[int], params: SamplingParams, source: str = "dataset") -> Rollout:
         """params.n episodes of each dataset row `split.rows[i]` (a rollout.prompts.Prompts), i in `idx`, in that
         order (a row numbered i + 1 in errors): Rollouts' generation path, as rollouts.SingleTurn's."""
-        index = [i for i in idx for _ in range(params.n)]
+        index = Prompts.each(idx, params.n)
         return self.run([split.rows[i] for i in index], [i + 1 for i in index], params, source)
 
     def run(self, rows: list[dict], row_numbers: list[int], params: SamplingParams, source: str = "dataset"
@@ -268,13 +242,8 @@ class Episodes:
         while active:
             budget = [self.max_completion_length - len(e.ids) for e in active]
             seed = None if params.seed is None else params.seed + turn * len(eps)
-            ro = self.engine.generate([e.prompt + e.ids for e in active],
-                                      replace(params, n=1, max_new_tokens=max(budget), seed=seed, ignore_eos=False))
-            for j, e in enumerate(active):
-                m = ro.response_mask[j]
-                ids, logprobs = ro.response_ids[j][m].tolist(), ro.sampling_logprobs[j][m].tolist()
-                ended = not bool(ro.truncated[j]) and len(ids) <= budget[j]
-                ids, logprobs = ids[:budget[j]], logprobs[:budget[j]]
+            turns = generate_turn(self.engine, [e.prompt + e.ids for e in active], budget, params, seed)
+            for e, (ids, logprobs, ended) in zip(active, turns):
                 e.add(ids, logprobs)
                 e.turns += 1
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -287,7 +256,7 @@ class Episodes:
                     e.done = True
                     continue
                 e.messages += new
-                suffix = self.suffix_ids(new)
+                suffix = self.chat.suffix_ids(new)
                 if len(e.ids) + len(suffix) >= self.max_completion_length:  # no room for it and one more token
                     e.done = e.truncated = True
                     continue
@@ -299,43 +268,10 @@ class Episodes:
         pass
 
     def to_rollout(self, eps: list[_Episode]) -> Rollout:
-        B, R = len(eps), max(1, max(len(e.ids) for e in eps))
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((B, R), pad, dtype=torch.long)
-        sampled = torch.zeros((B, R), dtype=torch.bool)
-        inserted = torch.zeros((B, R), dtype=torch.bool)
-        logprobs = torch.zeros((B, R), dtype=torch.float32)
-        for i, e in enumerate(eps):
-            n = len(e.ids)
-            ids[i, :n] = torch.tensor(e.ids, dtype=torch.long)
-            sampled[i, :n] = torch.tensor(e.sampled, dtype=torch.bool)
-            inserted[i, :n] = ~sampled[i, :n]
-            logprobs[i, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
-        rewards = [self._reward(e) for e in eps]
-        info = [{"turns": e.turns, "tool_calls": e.tool_calls, "tool_failures": e.tool_failures,
-                 "env_tokens": int(sum(not s for s in e.sampled)), "messages": e.messages,
-                 "environment": e.environment, "env_errors": e.env_errors, "reward_error": e.reward_error,
-                 "env_class": type(e.env).__name__ if e.env is not None else None} for e in eps]
-        return Rollout([e.prompt for e in eps], ids, sampled, logprobs, torch.tensor([e.truncated for e in eps]),
-                       env_mask=inserted, env_reward=torch.tensor(rewards, dtype=torch.float32), episodes=info)
-
-
-def check_prefix_property(tokenizer, model_name: str, native_tools: bool) -> None:
-    """Refuse, in one line naming the model and the first turn where it breaks, a chat template that does not extend a
-    conversation by appending: each rendering of the first k turns (with the generation prompt before an assistant
-    turn) must be a prefix of the rendering of k + 1 turns. Else the tokens an engine sampled in an earlier turn
-    would not be those the template shows the model later (Qwen3's template, for one, drops earlier reasoning)."""
-    env = {"role": "tool", "name": "tool", "content": "t"} if native_tools else {"role": "user", "content": "u"}
-    turns = [{"role": "user", "content": "u0"}, {"role": "assistant", "content": "a1"}, env,
-             {"role": "assistant", "content": "a2"}, {**env, "content": "t2"}, {"role": "assistant", "content": "a3"}]
-    for k in range(1, len(turns)):
-        before = tokenizer.apply_chat_template(turns[:k], tokenize=False,
-                                               add_generation_prompt=turns[k]["role"] == "assistant")
-        after = tokenizer.apply_chat_template(turns[:k + 1], tokenize=False)
-        if not after.startswith(before):
-            raise UserError(f"{model_name}: the chat template does not extend a conversation by appending: adding "
-                            f"turn {k + 1} ({turns[k]['role']}) rewrites the text before it, so multi-turn episodes "
-                            "cannot keep the sampled tokens (docs/environments.md: use a template that appends)")
+        rewards = [self._reward(e) for e in eps]  # first: a get_reward that raises counts in env_errors
+        infos = [episode_info(e.turns, e.tool_calls, e.messages, e.tool_failures, e.environment, e.env_errors,
+                              e.reward_error, type(e.env).__name__ if e.env is not None else None) for e in eps]
+        return rollout_of_samples(eps, self.tokenizer.pad_token_id, rewards, infos)
 
 
 def make_episodes(cfg: EnvironmentConfig, engine: RolloutBackend, tokenizer, model_name: str,

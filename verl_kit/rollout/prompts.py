@@ -4,7 +4,7 @@ evaluation through any rollout backend, the rollout metrics of a step and readab
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -13,17 +13,8 @@ from verl_kit.config import TrainConfig
 from verl_kit.data.datasets import load_splits, truncate
 from verl_kit.errors import UserError
 from verl_kit.metrics import progress
-from verl_kit.rollout.types import Rollout, SamplingParams, Scores, select_rows
+from verl_kit.rollout.types import Prompts, Rollout, SamplingParams, Scores, select_rows
 from verl_kit.train.distributed import Tally, reduce_metrics, shard
-
-
-@dataclass
-class Prompts:
-    """A split of prompts: the dataset `rows` (dicts: `prompt` and the other columns the rewards may read) and their
-    token `ids` (the prompt rendered with the chat template, truncated)."""
-
-    rows: list[dict]
-    ids: list[list[int]]
 
 
 def load_prompt_splits(cfg: TrainConfig, tokenizer) -> tuple[Prompts, Prompts]:
@@ -45,9 +36,10 @@ def rollout_metrics(ro: Rollout, scored: Scores, step_seconds: float, environmen
     process: Rollouts.environments) env/<name>/*. response_length counts the sampled tokens. Each reward source's own
     scores (`scored.sources`) as TRL's rewards/<name>/mean and rewards/<name>/std. The reward statistics are per
     episode, the lengths per training sample (an --agent's episode may hold several)."""
-    lengths, scores, first = ro.response_mask.sum(-1), scored.total, ro.first_rows()
-    sources = {"score": scores[first], **{f"rewards/{k}": v[first] for k, v in scored.sources.items()}}
-    t = reduce_metrics({"n": len(first), "rows": len(lengths), **{k: v.sum() for k, v in sources.items()},
+    lengths, scores = ro.response_mask.sum(-1), scored.total
+    sources = {"score": scores, **{f"rewards/{k}": v for k, v in scored.sources.items()}}
+    sources = {k: ro.per_episode(v) for k, v in sources.items()}
+    t = reduce_metrics({"n": len(ro.first_rows()), "rows": len(lengths), **{k: v.sum() for k, v in sources.items()},
                         **{f"{k}_sq": (v.double() ** 2).sum() for k, v in sources.items()},
                         "tokens": lengths.sum(), "truncated": ro.truncated.sum(),
                         "prompt_tokens": sum(len(p) for p in ro.prompt_ids)}, {"max_length": lengths.max()})
@@ -115,7 +107,7 @@ def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[lis
 def evaluate(accelerator, generate: Callable[[list[int], SamplingParams], Rollout], split: Prompts,
              params: SamplingParams, score, batch_size: int, pass_threshold: float = 1.0, extra=None,
              environments: tuple[str, ...] = ()) -> dict:
-    """Mean score of the responses to the held-out `split` (`score(rows, rollout) -> Scores`, no KL term), the
+    """Mean score of the responses to the held-out `split` (`score(rollout) -> Scores`, no KL term), the
     prompts sharded over processes, `batch_size` per call of `generate(prompt indices, params)` (Rollouts.evaluate's:
     the run's backend, or its episodes). Every process makes the same calls (ZeRO-3
     lockstep). The torch RNG is forked, so a run samples the same training rollouts with or without evaluation. With
@@ -123,10 +115,9 @@ def evaluate(accelerator, generate: Callable[[list[int], SamplingParams], Rollou
     responses per prompt, also eval/pass@k for k = 1, 2, 4, ... <= n: the mean over prompts of the unbiased pass@k
     (algos.pass_at_k), a response passing when its score is >= `pass_threshold`. Multi-turn episodes add
     eval/tools/call_frequency and eval/tools/failure_frequency (as the training metrics), and the multi-environment
-    form eval/env/<name>/reward_mean for each of `environments`. `extra(rows, rollout) ->
+    form eval/env/<name>/reward_mean for each of `environments`. `extra(rollout) ->
     {name: (B,)}` (optional): more per-response values, each reported as its mean over the responses, eval/<name>."""
-    prompts, rows = split.ids, split.rows
-    world, rank, n = accelerator.num_processes, accelerator.process_index, len(prompts)
+    world, rank, n = accelerator.num_processes, accelerator.process_index, len(split.ids)
     mine = shard(n, rank, world)
     tally = Tally()
     ks = [2 ** j for j in range(params.n.bit_length()) if params.n > 1]  # 1, 2, 4, ... <= n
@@ -137,8 +128,7 @@ def evaluate(accelerator, generate: Callable[[list[int], SamplingParams], Rollou
             first = (rank + world * i) * params.n  # this batch's first response, over all processes
             ro = generate(idx, replace(params, seed=params.sample_seed(first)))
             ro = select_rows(ro, ro.last_rows())  # an agent's episode of several rows: its final call
-            rows_of = [rows[j] for j in idx for _ in range(params.n)]
-            scored = score(rows_of, ro)
+            scored = score(ro)
             scores = scored.total.view(len(idx), params.n)
             real = torch.tensor([rank + world * (i + k) < n for k in range(len(idx))])  # not shard()'s wrap-around
             tally.add(responses=float(real.sum()) * params.n, score=scores[real],
@@ -153,7 +143,7 @@ def evaluate(accelerator, generate: Callable[[list[int], SamplingParams], Rollou
                 member = torch.tensor([e["environment"] == name for e in ro.episodes]).view(len(idx), params.n)
                 member &= real[:, None]
                 tally.add(**{f"env/{name}/n": member, f"env/{name}/score": scores[member]})
-            for name, values in (extra(rows_of, ro) if extra else {}).items():
+            for name, values in (extra(ro) if extra else {}).items():
                 tally.add(**{f"extra/{name}": values.view(len(idx), params.n)[real]})
             if params.n > 1:
                 passed = (scores[real] >= pass_threshold).sum(-1)
@@ -169,12 +159,12 @@ def evaluate(accelerator, generate: Callable[[list[int], SamplingParams], Rollou
             **{f"eval/{k[len('extra/'):]}": v / t["responses"] for k, v in t.items() if k.startswith("extra/")}}
 
 
-def sample_rows(step: int, rows: list[dict], ro: Rollout, scores: torch.Tensor, tokenizer, k: int = 4,
+def sample_rows(step: int, ro: Rollout, scores: torch.Tensor, tokenizer, k: int = 4,
                 extra: list[dict] | None = None) -> list[dict]:
     """k of a step's responses, spread over its prompts, as readable rows for samples.jsonl: step, prompt (as in the
-    dataset), completion (decoded), reward, the row's other columns as `reference`, and `extra[i]`'s fields (one dict
-    per response, optional)."""
-    out = []
+    dataset), completion (decoded), reward, the dataset row's other columns as `reference`, and `extra[i]`'s fields
+    (one dict per response, optional)."""
+    out, rows = [], ro.rows
     for i in range(0, len(rows), max(1, len(rows) // k))[:k]:
         # a multi-turn episode: the whole of it (environment tokens too) and its messages
         text = tokenizer.decode(ro.response_ids[i][ro.sequence_mask[i]], skip_special_tokens=True)

@@ -36,63 +36,36 @@ import torch
 
 from verl_kit.algos.sampling import group_rows, informative_groups, select_groups
 from verl_kit.config import EnvironmentConfig, RolloutConfig, TrainConfig, VLLMConfig
-from verl_kit.rollout.agents import AgentEpisodes, make_agent_episodes
+from verl_kit.rollout.agents import make_agent_episodes
 from verl_kit.rollout.backends import make_backend, start_server
-from verl_kit.rollout.episodes import Episodes, make_episodes
-from verl_kit.rollout.prompts import Prompts, evaluate
-from verl_kit.rollout.types import (
-    Rollout,
-    RolloutBackend,
-    SamplingParams,
-    Scores,
-    concat_rollouts,
-    episode_rows,
-    select_rows,
-)
+from verl_kit.rollout.episodes import SingleTurn, make_episodes
+from verl_kit.rollout.prompts import evaluate
+from verl_kit.rollout.types import EpisodeRunner, Prompts, Rollout, SamplingParams, Scores, concat_rollouts, select_rows
 from verl_kit.rollout.vllm_server import ServerProcess
 from verl_kit.train.distributed import all_reduce_max, reduce_metrics, step_indices, step_seed
 
 logger = logging.getLogger(__name__)
 
 
-class SingleTurn:
-    """The trivial episode: one generation per sample from its prompt's token ids (rollout.episodes.Episodes is the
-    multi-turn one; both have `generate(split, idx, params, source)` and `environments`)."""
-
-    environments: tuple[str, ...] = ()
-
-    def __init__(self, engine: RolloutBackend):
-        self.engine = engine
-
-    def generate(self, split: Prompts, idx: list[int], params: SamplingParams, source: str = "dataset") -> Rollout:
-        """params.n responses to each prompt `split.ids[i]`, i in `idx`, in that order."""
-        return self.engine.generate([split.ids[i] for i in idx], params)
-
-    def close(self) -> None:
-        pass
-
-
 class Rollouts:
     """Batches of the prompts of `split`: `request(step, k) -> (prompt indices, SamplingParams)` is what step `step`
     generates (k = 0), or its k-th further batch (--dynamic_sampling); a pure function of both, so it can be asked
     ahead of time and again after a resume; each batch carries its prompts' indices (`Rollout.prompt_index`).
-    `max_staleness`: None for synchronous rollouts, else how many steps ahead batches are generated. `engine`: a
-    RolloutBackend; `episodes`: multi-turn episodes over it (rollout.episodes, or an --agent's: rollout.agents), else
-    each sample is one generation;
+    `max_staleness`: None for synchronous rollouts, else how many steps ahead batches are generated. `runner`: the
+    rollout.types.EpisodeRunner that plays the episodes over its `engine` (a RolloutBackend, synced by load_weights);
     `server`: a vLLM server the run started, stopped by close(); `eval_params`: the held-out evaluation's sampling;
     `pass_threshold`: the score a held-out response passes at."""
 
-    def __init__(self, engine: RolloutBackend, split: Prompts,
+    def __init__(self, runner: EpisodeRunner, split: Prompts,
                  request: Callable[[int, int], tuple[list[int], SamplingParams]], total_steps: int,
                  max_staleness: int | None = None, timeout_s: float = 1800, server: ServerProcess | None = None,
-                 eval_params: SamplingParams | None = None, pass_threshold: float = 1.0,
-                 episodes: Episodes | AgentEpisodes | None = None):
+                 eval_params: SamplingParams | None = None, pass_threshold: float = 1.0):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness {max_staleness}: use >= 0")
-        self.engine, self.split, self.request, self.total_steps = engine, split, request, total_steps
+        self.runner, self.engine = runner, runner.engine
+        self.split, self.request, self.total_steps = split, request, total_steps
         self.server, self.eval_params, self.pass_threshold = server, eval_params, pass_threshold
         self.ahead, self.timeout_s = max_staleness, timeout_s
-        self.episodes = episodes if episodes is not None else SingleTurn(engine)
         self.version = 0  # of the weights the engine has
         self.batches: dict[int, tuple[Future, int]] = {}  # step -> (its rollout, the version that generates it)
         self._jobs: queue.Queue = queue.Queue()
@@ -134,9 +107,8 @@ class Rollouts:
 
     def _generate(self, split: Prompts, idx: list[int], params: SamplingParams, source: str = "dataset") -> Rollout:
         """The one generation path: params.n samples (episodes) of each prompt of `split` in `idx`."""
-        ro = self.episodes.generate(split, idx, params, source)
-        of_episode = [i for i in idx for _ in range(params.n)]
-        return replace(ro, prompt_index=[of_episode[e] for e in ro.row_episode().tolist()])
+        ro = self.runner.generate(split, idx, params, source)
+        return ro.with_prompts(Prompts.each(idx, params.n), split.rows)
 
     # ---- the trainer's side -------------------------------------------------------------------------------------
     def get(self, step: int) -> tuple[Rollout, int]:
@@ -156,7 +128,7 @@ class Rollouts:
     @property
     def environments(self) -> tuple[str, ...]:
         """The environments' names of a multi-environment run (rollout_metrics' env/<name>/*), else ()."""
-        return self.episodes.environments
+        return self.runner.environments
 
     def evaluate(self, accelerator, split: Prompts, score, batch_size: int, extra=None) -> dict:
         """Held-out evaluation (rollout.prompts.evaluate) of `split` with the run's evaluation sampling, generated in
@@ -179,7 +151,7 @@ class Rollouts:
     def close(self) -> None:
         if self.ahead is not None:
             self._jobs.put((None, None, None))
-        self.episodes.close()
+        self.runner.close()
         self.engine.close()
         if self.server is not None:
             self.server.stop()
@@ -190,18 +162,13 @@ class Rollouts:
         out = {}
         for step, (future, version) in self.batches.items():
             ro = self._wait(future, f"the rollout of step {step}")
-            out[step] = {"version": version, "prompt_ids": ro.prompt_ids, "response_ids": ro.response_ids,
-                         "response_mask": ro.response_mask, "sampling_logprobs": ro.sampling_logprobs,
-                         "truncated": ro.truncated, "prompt_index": ro.prompt_index, "env_mask": ro.env_mask,
-                         "env_reward": ro.env_reward, "episodes": ro.episodes, "episode": ro.episode}
+            out[step] = {"version": version, **ro.state_dict()}
         return {"batches": out}
 
     def load_state_dict(self, state: dict) -> None:
         for step, b in state["batches"].items():
             future: Future = Future()
-            future.set_result(Rollout(b["prompt_ids"], b["response_ids"], b["response_mask"], b["sampling_logprobs"],
-                                      b["truncated"], b.get("prompt_index"), b.get("env_mask"), b.get("env_reward"),
-                                      b.get("episodes"), b.get("episode")))
+            future.set_result(Rollout.from_state_dict(b))
             self.batches[int(step)] = (future, b["version"])
 
 
@@ -214,12 +181,9 @@ def dynamic_sampling(rollouts: Rollouts, step: int, first: Rollout, scored: Scor
     collectives), or, when some process found none, its first batch as it is. The number of batches is decided on
     all processes together (collective). Returns the step's rollout, its scores and rollout/* metrics (sums over
     processes)."""
-    def per_episode(ro: Rollout, scored: Scores) -> torch.Tensor:  # an agent's episode may span rows; one score each
-        return scored.total[ro.first_rows()]
-
-    target = len(first.first_rows()) // group_size
+    target = len(first.first_rows()) // group_size  # an agent's episode may span rows: groups are of episodes
     batches, all_scores = [first], [scored]
-    informative = informative_groups(per_episode(first, scored), group_size)
+    informative = informative_groups(first.per_episode(scored.total), group_size)
     while True:
         fewest = int(-all_reduce_max(-float(informative.sum())))
         if fewest >= target or len(batches) >= max_batches:
@@ -227,14 +191,14 @@ def dynamic_sampling(rollouts: Rollouts, step: int, first: Rollout, scored: Scor
         ro = rollouts.more(step, len(batches))
         batches.append(ro)
         all_scores.append(score(ro))
-        informative = torch.cat([informative, informative_groups(per_episode(ro, all_scores[-1]), group_size)])
+        informative = torch.cat([informative, informative_groups(ro.per_episode(all_scores[-1].total), group_size)])
     take = min(fewest, target)
     if take < target:
         logger.warning("--dynamic_sampling: step %d found %d informative group(s) of %d on some process after %d "
                        "generation batches (--max_num_gen_batches): %s", step, take, target, len(batches),
                        f"training on {take} group(s) per process" if take else "training on its first batch as it is")
     every = concat_rollouts(batches)
-    rows = episode_rows(every, group_rows(select_groups(informative, target, take), group_size).tolist())
+    rows = every.episode_rows(group_rows(select_groups(informative, target, take), group_size).tolist())
     counts = reduce_metrics({"rollout/groups_generated": len(informative), "rollout/groups_kept": take})
     return (select_rows(every, rows), Scores.concat(all_scores).select(rows),
             {**counts, "rollout/gen_batches": len(batches)})
@@ -261,8 +225,15 @@ def make_rollouts(cfg: RolloutConfig, vllm_cfg: VLLMConfig, env_cfg: Environment
     backend = make_backend(cfg, vllm_cfg, accelerator, actor, model_path, tokenizer,
                            split.ids[:vllm_cfg.vllm_probe_size], url, train.max_length, train.seed)
     sampling = sampling_params(cfg, num_generations)
-    episodes = None if env_cfg is None else (make_agent_episodes if env_cfg.agent else make_episodes)(
-        env_cfg, backend, tokenizer, train.model_name_or_path, train.max_prompt_length, cfg.max_completion_length)
+    # the episodes: an --agent's, an environment's or tools' (multi-turn), else one generation per sample
+    if env_cfg is not None and env_cfg.agent:
+        runner = make_agent_episodes(env_cfg, backend, tokenizer, train.model_name_or_path, train.max_prompt_length,
+                                     cfg.max_completion_length)
+    elif env_cfg is not None and env_cfg.enabled:
+        runner = make_episodes(env_cfg, backend, tokenizer, train.model_name_or_path, train.max_prompt_length,
+                               cfg.max_completion_length)
+    else:
+        runner = SingleTurn(backend)
 
     def seed(step: int, k: int = 0) -> int | None:
         return step_seed(train.seed + k, step, rank) if backend.per_sample_seeds else None
@@ -273,6 +244,6 @@ def make_rollouts(cfg: RolloutConfig, vllm_cfg: VLLMConfig, env_cfg: Environment
         idx = step_indices(len(split.ids), step, cfg.prompts_per_step, train.seed + k, rank, world)
         return idx, replace(sampling, seed=seed(step, k))
 
-    return Rollouts(backend, split, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
+    return Rollouts(runner, split, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
                     cfg.rollout_timeout_s, server=server, pass_threshold=cfg.pass_threshold,
-                    eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)), episodes=episodes)
+                    eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)))

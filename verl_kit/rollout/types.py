@@ -1,11 +1,14 @@
-"""The rollout boundary: what a backend is given (SamplingParams), what it returns (Rollout) and the methods every
-backend implements (RolloutBackend). Backends: HF generate (rollout.hf), a vLLM engine in the training process
-(rollout.vllm_engine), a vLLM server (rollout.vllm_client)."""
+"""The rollout boundary: what a backend is given (SamplingParams), what it returns (Rollout, a batch whose fields
+declare their role) and the methods every backend implements (RolloutBackend: HF generate in rollout.hf, a vLLM
+engine in the training process in rollout.vllm_engine, a vLLM server in rollout.vllm_client); the episode contract
+over a backend (EpisodeRunner: single-turn, environments and tools in rollout.episodes, agents in rollout.agents),
+what its runners record (Sample, episode_info), the one generation turn they share (generate_turn) and the one
+builder of their Rollout (rollout_of_samples)."""
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -26,77 +29,6 @@ class SamplingParams:
         """The seed of sample i of a call (of len(prompts) * n): the call's seed + i, so a sample depends only on the
         seed and its position, not on what the engine generated before nor on how it batches (resume exactness)."""
         return None if self.seed is None else self.seed + i
-
-
-@dataclass
-class Rollout:
-    """B = len(prompts) * n responses; prompt i's samples are rows i*n .. i*n + n - 1.
-
-    prompt_ids         list of B token-id lists   the prompt of each response (unpadded, for packing)
-    response_ids       (B, R) long                sampled tokens, pad after the end (the EOS is kept)
-    response_mask      (B, R) bool                True on response tokens up to and including the EOS
-    sampling_logprobs  (B, R) float32             log-prob of each token under the sampling distribution
-                                                  (temperature, top-k, top-p applied), 0 outside the mask
-    truncated          (B,) bool                  no EOS within max_new_tokens
-    prompt_index       list of B ints or None     each response's prompt, as an index into the prompt list the
-                                                  batch was asked from (set by rollout.Rollouts)
-    Multi-turn episodes (rollout.episodes) add, else None:
-    env_mask           (B, R) bool                True on the tokens the environment inserted (tool results,
-                                                  replies, the template's turn markers); the response is
-                                                  response_mask | env_mask, and response_mask (the loss mask, the
-                                                  sampling log-probs) covers only what the model sampled
-    env_reward         (B,) float32               each environment's get_reward() (0 without one), as returned:
-                                                  NaN where it raised; Rewards.environment checks and scores it
-    episodes           list of B dicts            turns, tool_calls, tool_failures, the messages of each episode,
-                                                  its environment's name (multi-environment form, else None) and
-                                                  class (env_class), env_errors (respond/get_reward raised) and
-                                                  reward_error (why get_reward gave no number, else None)
-    An agent (rollout.agents) may leave several rows per episode:
-    episode            list of B ints or None     each row's episode, numbered 0.. in row order (an episode's
-                                                  rows are consecutive); None: one row per episode. The rows of
-                                                  an episode are the calls its agent made that did not extend the
-                                                  previous call token for token: they share its score and its
-                                                  advantage (first_rows, row_episode)
-    """
-
-    prompt_ids: list[list[int]]
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    sampling_logprobs: torch.Tensor
-    truncated: torch.Tensor
-    prompt_index: list[int] | None = None
-    env_mask: torch.Tensor | None = None
-    env_reward: torch.Tensor | None = None
-    episodes: list[dict] | None = None
-    episode: list[int] | None = None
-
-    def first_rows(self) -> list[int]:
-        """The first row of each episode (every row without per-call samples)."""
-        if self.episode is None:
-            return list(range(len(self.prompt_ids)))
-        return [i for i, e in enumerate(self.episode) if i == 0 or self.episode[i - 1] != e]
-
-    def last_rows(self) -> list[int]:
-        """The last row of each episode: its final call."""
-        if self.episode is None:
-            return list(range(len(self.prompt_ids)))
-        return [i for i, e in enumerate(self.episode) if i + 1 == len(self.episode) or self.episode[i + 1] != e]
-
-    def row_episode(self) -> torch.Tensor:
-        """(B,) long: each row's episode, to spread per-episode values (E,) over the rows: values[ro.row_episode()]."""
-        return torch.tensor(self.episode if self.episode is not None else range(len(self.prompt_ids)),
-                            dtype=torch.long)
-
-    @property
-    def sequence_mask(self) -> torch.Tensor:
-        """(B, R) bool: every token of the response, sampled or inserted by the environment."""
-        return self.response_mask if self.env_mask is None else self.response_mask | self.env_mask
-
-    @property
-    def costs(self) -> list[int]:
-        """Tokens of each row's forward pass (prompt and whole response, environment tokens included): the cost that
-        train.distributed.micro_batches packs by."""
-        return [len(p) + int(n) for p, n in zip(self.prompt_ids, self.sequence_mask.sum(-1))]
 
 
 @runtime_checkable
@@ -126,27 +58,188 @@ class RolloutBackend(Protocol):
         """Release the engine (processes, memory, shared-memory slots)."""
 
 
+@dataclass
+class Prompts:
+    """A split of prompts: the dataset `rows` (dicts: `prompt` and the other columns the rewards may read) and their
+    token `ids` (the prompt rendered with the chat template, truncated)."""
+
+    rows: list[dict]
+    ids: list[list[int]]
+
+    @staticmethod
+    def each(idx: list[int], n: int) -> list[int]:
+        """Each episode's prompt when every prompt of `idx` gets n of them (a group): idx[0] n times, then idx[1]..."""
+        return [i for i in idx for _ in range(n)]
+
+
+@runtime_checkable
+class EpisodeRunner(Protocol):
+    """What turns prompts into episodes over a RolloutBackend: single-turn (rollout.episodes.SingleTurn), an
+    environment or tools (rollout.episodes.Episodes), an agent through the run's endpoint (rollout.agents.
+    AgentEpisodes). rollout.Rollouts knows only this; tests/rollout/test_runners.py runs every runner through the
+    same checks."""
+
+    engine: RolloutBackend  # what generates every turn (Rollouts syncs its weights)
+    environments: tuple[str, ...]  # the environments' names of the multi-environment form (env/<name>/*), else ()
+
+    def generate(self, split: Prompts, idx: list[int], params: SamplingParams, source: str = "dataset") -> Rollout:
+        """params.n episodes of each prompt of `split` in `idx`, in that order (Prompts.each): a Rollout whose rows
+        are those episodes' training sequences (one each, or several: Rollout.episode); a prompt numbered i + 1
+        (its dataset row) in errors about `source`."""
+
+    def close(self) -> None:
+        """Release what the runner holds (an agent's endpoint)."""
+
+
+TOKEN, ROW = "token", "row"  # a Rollout field's role: (B, R) padded per token, or one value per row (B,)
+
+
+def _field(role: str, pad=0, optional: bool = True):
+    """A Rollout field: its `role` (TOKEN fields are right-padded with `pad` when batches of other widths are joined),
+    None by default when `optional`."""
+    return field(default=None, metadata={"role": role, "pad": pad}) if optional else \
+        field(metadata={"role": role, "pad": pad})
+
+
+@dataclass
+class Rollout:
+    """B training rows (sequences) of E episodes: one row per episode, except an --agent's episode whose calls did not
+    extend each other (rollout.agents); prompt i's samples are the episodes i*n .. i*n + n - 1. Every field declares
+    its role (TOKEN or ROW, in its metadata) and is None or has B rows, so joining, selecting and checkpointing are
+    written once over the fields (concat_rollouts, select_rows, state_dict): a new field is one line here.
+
+    per row, from the backend (rollout.types.RolloutBackend.generate):
+    prompt_ids         list of B token-id lists   the prompt of each response (unpadded, for packing)
+    response_ids       (B, R) long                sampled tokens, pad after the end (the EOS is kept)
+    response_mask      (B, R) bool                True on response tokens up to and including the EOS
+    sampling_logprobs  (B, R) float32             log-prob of each token under the sampling distribution
+                                                  (temperature, top-k, top-p applied), 0 outside the mask
+    truncated          (B,) bool                  no EOS within max_new_tokens
+    per row, set by rollout.Rollouts (the batch carries what it was generated for):
+    prompt_index       list of B ints             each row's prompt, as an index into the split it was asked from
+    rows               list of B dicts            each row's dataset row (`prompt` and the columns rewards read)
+    per row, from multi-turn episodes (rollout.episodes, rollout.agents):
+    env_mask           (B, R) bool                True on the tokens the environment inserted (tool results,
+                                                  replies, the template's turn markers); the response is
+                                                  response_mask | env_mask, and response_mask (the loss mask, the
+                                                  sampling log-probs) covers only what the model sampled
+    env_reward         (B,) float32               each episode's get_reward() (0 without one; an agent's return
+                                                  value), as returned: NaN where it raised; the same on every row
+                                                  of an episode; Rewards.environment checks and scores it
+    episodes           list of B dicts            rollout.types.episode_info: turns, tool_calls, tool_failures,
+                                                  env_tokens, the messages, the environment's name
+                                                  (multi-environment form) and class, env_errors, reward_error,
+                                                  reward_source
+    the grouping:
+    episode            list of B ints or None     each row's episode, numbered 0.. in row order (an episode's rows
+                                                  are consecutive); None: one row per episode. Per-episode values
+                                                  (E,) come from per_episode(), go back to rows with per_row()
+    """
+
+    prompt_ids: list[list[int]] = _field(ROW, optional=False)
+    response_ids: torch.Tensor = _field(TOKEN, 0, optional=False)
+    response_mask: torch.Tensor = _field(TOKEN, False, optional=False)
+    sampling_logprobs: torch.Tensor = _field(TOKEN, 0.0, optional=False)
+    truncated: torch.Tensor = _field(ROW, optional=False)
+    prompt_index: list[int] | None = _field(ROW)
+    rows: list[dict] | None = _field(ROW)
+    env_mask: torch.Tensor | None = _field(TOKEN, False)
+    env_reward: torch.Tensor | None = _field(ROW)
+    episodes: list[dict] | None = _field(ROW)
+    episode: list[int] | None = field(default=None, metadata={"role": "episode"})
+
+    # ---- rows and episodes --------------------------------------------------------------------------------------
+    def first_rows(self) -> list[int]:
+        """The first row of each episode (every row without per-call samples)."""
+        if self.episode is None:
+            return list(range(len(self.prompt_ids)))
+        return [i for i, e in enumerate(self.episode) if i == 0 or self.episode[i - 1] != e]
+
+    def last_rows(self) -> list[int]:
+        """The last row of each episode: its final call."""
+        if self.episode is None:
+            return list(range(len(self.prompt_ids)))
+        return [i for i, e in enumerate(self.episode) if i + 1 == len(self.episode) or self.episode[i + 1] != e]
+
+    def row_episode(self) -> torch.Tensor:
+        """(B,) long: each row's episode."""
+        return torch.tensor(self.episode if self.episode is not None else range(len(self.prompt_ids)),
+                            dtype=torch.long)
+
+    def per_episode(self, values: torch.Tensor) -> torch.Tensor:
+        """(B, ...) values of the rows -> (E, ...), each episode's from its first row (its rows share them)."""
+        return values[self.first_rows()]
+
+    def per_row(self, values: torch.Tensor) -> torch.Tensor:
+        """(E, ...) values of the episodes -> (B, ...): each row gets its episode's."""
+        return values[self.row_episode()]
+
+    def episode_rows(self, episodes: list[int]) -> list[int]:
+        """The rows of `episodes` (indices into the episodes), in that order."""
+        rows: dict[int, list[int]] = {}
+        for i, e in enumerate(self.row_episode().tolist()):
+            rows.setdefault(e, []).append(i)
+        return [i for e in episodes for i in rows[e]]
+
+    def with_prompts(self, episode_prompt: list[int], split_rows: list[dict]) -> Rollout:
+        """This rollout with `prompt_index` and `rows` set: `episode_prompt` (E,) is each episode's prompt, an index
+        into the split whose dataset rows are `split_rows`."""
+        index = [episode_prompt[e] for e in self.row_episode().tolist()]
+        return replace(self, prompt_index=index, rows=[split_rows[i] for i in index])
+
+    @property
+    def sequence_mask(self) -> torch.Tensor:
+        """(B, R) bool: every token of the response, sampled or inserted by the environment."""
+        return self.response_mask if self.env_mask is None else self.response_mask | self.env_mask
+
+    @property
+    def costs(self) -> list[int]:
+        """Tokens of each row's forward pass (prompt and whole response, environment tokens included): the cost that
+        train.distributed.micro_batches packs by."""
+        return [len(p) + int(n) for p, n in zip(self.prompt_ids, self.sequence_mask.sum(-1))]
+
+    # ---- checkpoints --------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Every field by name (torch.save-able)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> Rollout:
+        """The rollout of a state_dict (a field a checkpoint predates is None)."""
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
+
+
 def concat_rollouts(batches: list[Rollout]) -> Rollout:
-    """The rows of several rollouts, in order, as one: response tensors right-padded to the longest (ids 0, mask
-    False, log-probs 0 past a response's end: nothing reads them)."""
+    """The rows of several rollouts, in order, as one: TOKEN fields right-padded to the longest (with the field's pad:
+    nothing reads past a response's end); a field None in any batch is None."""
     R = max(b.response_ids.shape[1] for b in batches)
-
-    def cat(name: str, value=0):
-        return torch.cat([torch.nn.functional.pad(getattr(b, name), (0, R - getattr(b, name).shape[1]), value=value)
-                          for b in batches])
-
-    index = None if any(b.prompt_index is None for b in batches) else [i for b in batches for i in b.prompt_index]
-    episodes = any(b.episodes is not None for b in batches)  # multi-turn: every batch is episodes
-    episode, offset = [], 0
+    out, episode, offset = {}, [], 0
     for b in batches:
         episode += (b.row_episode() + offset).tolist()
         offset += len(b.first_rows())
-    return Rollout([p for b in batches for p in b.prompt_ids], cat("response_ids"), cat("response_mask", False),
-                   cat("sampling_logprobs"), torch.cat([b.truncated for b in batches]), index,
-                   env_mask=cat("env_mask", False) if episodes else None,
-                   env_reward=torch.cat([b.env_reward for b in batches]) if episodes else None,
-                   episodes=[e for b in batches for e in b.episodes] if episodes else None,
-                   episode=_numbered(episode))
+    for f in fields(Rollout):
+        values = [getattr(b, f.name) for b in batches]
+        if f.metadata["role"] == "episode" or any(v is None for v in values):
+            continue
+        if f.metadata["role"] == TOKEN:
+            out[f.name] = torch.cat([torch.nn.functional.pad(v, (0, R - v.shape[1]), value=f.metadata["pad"])
+                                     for v in values])
+        else:
+            out[f.name] = torch.cat(values) if isinstance(values[0], torch.Tensor) else [x for v in values for x in v]
+    return Rollout(**out, episode=_numbered(episode))
+
+
+def select_rows(ro: Rollout, rows: list[int]) -> Rollout:
+    """The rollout of `rows` (indices into ro's rows), in that order."""
+    ix = torch.tensor(rows, dtype=torch.long)
+    out = {}
+    for f in fields(ro):
+        v = getattr(ro, f.name)
+        if v is not None:
+            out[f.name] = v[ix] if isinstance(v, torch.Tensor) else [v[i] for i in rows]
+    if "episode" in out:
+        out["episode"] = _numbered(out["episode"])
+    return Rollout(**out)
 
 
 def _numbered(episode: list[int]) -> list[int] | None:
@@ -156,25 +249,71 @@ def _numbered(episode: list[int]) -> list[int] | None:
     return None if out == list(range(len(out))) else out
 
 
-def select_rows(ro: Rollout, rows: list[int]) -> Rollout:
-    """The rollout of `rows` (indices into ro's responses), in that order."""
-    ix = torch.tensor(rows, dtype=torch.long)
-    return Rollout([ro.prompt_ids[i] for i in rows], ro.response_ids[ix], ro.response_mask[ix],
-                   ro.sampling_logprobs[ix], ro.truncated[ix],
-                   None if ro.prompt_index is None else [ro.prompt_index[i] for i in rows],
-                   env_mask=None if ro.env_mask is None else ro.env_mask[ix],
-                   env_reward=None if ro.env_reward is None else ro.env_reward[ix],
-                   episodes=None if ro.episodes is None else [ro.episodes[i] for i in rows],
-                   episode=None if ro.episode is None else _numbered([ro.episode[i] for i in rows]))
+# ---- episodes: what the runners record and the one builder of their Rollout -----------------------------------------
+@dataclass
+class Sample:
+    """One training sequence of an episode: a prompt and what followed it, sampled (with its sampling log-probs) or
+    inserted by the environment."""
+
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    truncated: bool = False
+
+    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+        """Append tokens: sampled ones with their log-probs, or (logprobs None) the environment's."""
+        self.ids += ids
+        self.sampled += [logprobs is not None] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
 
-def episode_rows(ro: Rollout, episodes: list[int]) -> list[int]:
-    """The rows of `episodes` (indices into ro's episodes), in that order."""
-    of = ro.row_episode().tolist()
-    rows: dict[int, list[int]] = {}
-    for i, e in enumerate(of):
-        rows.setdefault(e, []).append(i)
-    return [i for e in episodes for i in rows[e]]
+def episode_info(turns: int, tool_calls: int, messages, tool_failures: int = 0, environment: str | None = None,
+                 env_errors: int = 0, reward_error: str | None = None, env_class: str | None = None,
+                 reward_source: str = "environment") -> dict:
+    """What a row of a multi-turn episode records beside its tokens (Rollout.episodes; env_tokens is added by
+    rollout_of_samples): assistant turns (an agent's calls), tool calls and failed ones, the conversation for
+    samples.jsonl, the environment's name in the multi-environment form and its class, env_errors (an environment
+    method or the agent raised), reward_error (why get_reward gave no number) and the reward source's name."""
+    return {"turns": turns, "tool_calls": tool_calls, "tool_failures": tool_failures, "messages": messages,
+            "environment": environment, "env_errors": env_errors, "reward_error": reward_error,
+            "env_class": env_class, "reward_source": reward_source}
+
+
+def rollout_of_samples(samples: list[Sample], pad_id: int, env_reward: list[float], infos: list[dict],
+                       episode: list[int] | None = None) -> Rollout:
+    """The Rollout of the runners' samples, one row each: their tokens right-padded with `pad_id`, response_mask on the
+    sampled tokens, env_mask on the inserted ones; `env_reward` and `infos` (episode_info) per row; `episode`: each
+    row's episode (None: one row each)."""
+    B, R = len(samples), max(1, max(len(s.ids) for s in samples))
+    ids = torch.full((B, R), pad_id, dtype=torch.long)
+    sampled = torch.zeros((B, R), dtype=torch.bool)
+    inserted = torch.zeros((B, R), dtype=torch.bool)
+    logprobs = torch.zeros((B, R), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        n = len(s.ids)
+        ids[i, :n] = torch.tensor(s.ids, dtype=torch.long)
+        sampled[i, :n] = torch.tensor(s.sampled, dtype=torch.bool)
+        inserted[i, :n] = ~sampled[i, :n]
+        logprobs[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+    infos = [{**info, "env_tokens": int(sum(not x for x in s.sampled))} for s, info in zip(samples, infos)]
+    return Rollout([s.prompt for s in samples], ids, sampled, logprobs, torch.tensor([s.truncated for s in samples]),
+                   env_mask=inserted, env_reward=torch.tensor(env_reward, dtype=torch.float32), episodes=infos,
+                   episode=None if episode is None else _numbered(episode))
+
+
+def generate_turn(engine: RolloutBackend, prompts: list[list[int]], budgets: list[int], params: SamplingParams,
+                  seed: int | None) -> list[tuple[list[int], list[float], bool]]:
+    """One turn of several episodes in one generate call: (sampled ids, their log-probs, ended) for each prompt, cut
+    to its token budget; `ended`: the turn ended in EOS within its budget."""
+    ro = engine.generate(prompts, replace(params, n=1, max_new_tokens=max(budgets), seed=seed, ignore_eos=False,
+                                          stop=None))
+    out = []
+    for j, budget in enumerate(budgets):
+        m = ro.response_mask[j]
+        ids, logprobs = ro.response_ids[j][m].tolist(), ro.sampling_logprobs[j][m].tolist()
+        out.append((ids[:budget], logprobs[:budget], not bool(ro.truncated[j]) and len(ids) <= budget))
+    return out
 
 
 @dataclass

@@ -4,6 +4,7 @@ preemption."""
 
 from verl_kit.train.actor_critic import (
     CriticModel,
+    OffPolicyCorrection,
     ResponseIndex,
     ResponsePacker,
     actor_logits,

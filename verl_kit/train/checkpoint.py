@@ -35,7 +35,7 @@ from verl_kit.data.datasets import split_fingerprint
 from verl_kit.durable import fsync_tree, replace_dir, write_failure
 from verl_kit.errors import UserError
 from verl_kit.models import fsdp2
-from verl_kit.train.distributed import destroy, reduce_metrics, sharding
+from verl_kit.train.distributed import reduce_metrics, sharding
 from verl_kit.train.output_dir import STATE_FILE, clear, list_checkpoints, set_aside, sweep
 from verl_kit.train.preemption import STOP
 from verl_kit.train.trainable import FSDP2_TRAINABLES
@@ -321,29 +321,25 @@ def _restore(accelerator, cfg: TrainConfig, flags: dict, per_rank) -> tuple[str 
     return None, None
 
 
-def save_if_due(accelerator, cfg: TrainConfig, step: int, flags: dict, per_rank=None) -> None:
+def save_if_due(accelerator, cfg: TrainConfig, step: int, flags: dict, per_rank=None) -> int:
     """The end of optimizer step `step`, on every rank. Checkpoints when it is due: every `--save_steps`, once
     `--save_interval_minutes` have passed since the last checkpoint (or the start), or when a stop signal reached
     any rank (preemption); keeps `--save_total_limit` of this run's checkpoints; `flags`: every flag of the run
-    (config.Args.flags), recorded for the resume check. After a stop signal, it closes `per_rank` when it has a
-    close() (a rollout engine: its threads abort the interpreter at teardown otherwise) and ends the process with
-    128 + the signal's number and one line. One small collective per step, so that every rank decides alike."""
+    (config.Args.flags), recorded for the resume check; `per_rank`: what each rank saves of its own (Rollouts).
+    Returns the stop signal's number once it is saved (the same on every rank), else 0: the recipe then leaves its
+    loop, skips its export and ends with train.destroy(stop). One small collective per step, so that every rank
+    decides alike."""
     me = _current()
     by_time = cfg.save_interval_minutes > 0 and time.monotonic() - me.last_save >= 60 * cfg.save_interval_minutes
     agreed = reduce_metrics({}, {"stop": float(STOP.received), "time": float(by_time)})
     stop = int(agreed["stop"])
-    path = None
     if stop or agreed["time"] or cfg.save_steps and step % cfg.save_steps == 0:
         path = save_checkpoint(accelerator, cfg.output_dir, step, cfg.save_total_limit, model_flags(cfg), per_rank,
                                run_fingerprint(cfg, flags, sharding(accelerator)))
-    if stop:
-        if callable(getattr(per_rank, "close", None)):
-            per_rank.close()
-        if accelerator.is_main_process:
+        if stop and accelerator.is_main_process:
             print(f"stopped by {signal.Signals(stop).name} after step {step}: saved {path}; continue with "
                   "--resume_from_checkpoint auto", file=sys.stderr, flush=True)
-        destroy(exit_code=128 + stop)  # several processes: ends this one here
-        sys.exit(128 + stop)
+    return stop
 
 
 def run_fingerprint(cfg: TrainConfig, flags: dict, sharding: str = "none") -> dict:

@@ -126,14 +126,15 @@ def reduce_metrics(sums: dict[str, float], maxes: dict[str, float] | None = None
 
 class Tally:
     """Named sums accumulated over the micro-batches of a step: `tally.add(loss=..., tokens=...)` (tensors are
-    summed), then `tally.reduce(**maxes)` -> {name: sum over micro-batches and processes, or max over processes}."""
+    summed, detached: a loss may be tallied as it is backpropagated), then `tally.reduce(**maxes)` -> {name: sum
+    over micro-batches and processes, or max over processes}."""
 
     def __init__(self):
         self.sums: dict[str, float] = {}
 
     def add(self, **values) -> None:
         for k, v in values.items():
-            v = float(v.sum()) if isinstance(v, torch.Tensor) else float(v)
+            v = float(v.detach().sum()) if isinstance(v, torch.Tensor) else float(v)
             self.sums[k] = self.sums.get(k, 0.0) + v
 
     def reduce(self, **maxes) -> dict[str, float]:
@@ -204,25 +205,28 @@ def steps_indices(n: int, steps: range, per_step: int, seed: int) -> list[int]:
     return sorted({i for step in steps for i in step_indices(n, step, per_step, seed, 0, 1)})
 
 
-def destroy(exit_code: int = 0) -> None:
+def destroy(stop: int = 0) -> None:
     """A run's last call: tear the process group down (gloo otherwise warns or hangs on interpreter shutdown), all
-    ranks together, and in a run of several processes end this process right there with `exit_code` (a preempted
-    run: checkpoint.save_if_due), its atexit handlers run (the trackers', a run-started vLLM server's stop) but not
-    the interpreter's finalization. A rank finalizing after the
+    ranks together, and in a run of several processes end this process right there, its atexit handlers run (the
+    trackers', a run-started vLLM server's stop) but not the interpreter's finalization. `stop`: the signal that
+    stopped the run (checkpoint.save_if_due's return), whose number the process then exits with, 128 + it, as a
+    shell reports a signal. A rank finalizing after the
     group was gone was seen to abort ("terminate called without an active exception", SIGABRT) after the run had
     saved everything, about once in 25 ZeRO-3 launches here, failing the launch; gloo's worker threads still hold
     Python objects then (pytorch#179291 describes the same crash)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    several = torch.distributed.get_world_size() > 1
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    if several:
-        atexit._run_exitfuncs()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)
+    exit_code = 128 + stop if stop else 0
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        several = torch.distributed.get_world_size() > 1
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        if several:
+            atexit._run_exitfuncs()
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_code)
+    if exit_code:
+        sys.exit(exit_code)
 
 
 def param_counts(model) -> tuple[int, int]:
