@@ -28,7 +28,7 @@ from typing import ClassVar
 
 import torch
 
-from verl_kit import algos, config, models, rewards, rollout, train
+from verl_kit import algos, config, data, models, rewards, rollout, train
 from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger, Timer
 
@@ -100,7 +100,7 @@ def main():
     # ---- data, student, teacher, rewards -------------------------------------------------------------------------
     model_path = models.resolve_model_path(cfg.train.model_name_or_path)
     tokenizer = models.load_tokenizer(model_path, cfg.train.chat_template_kwargs)
-    prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
+    prompts, held_out = data.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
@@ -163,9 +163,8 @@ def main():
             chunks = train.micro_batches(cfg.train, list(range(B)), costs)
             teacher_lp = (packed.logprobs(teacher, ro, chunks, device) if dist.loss_type == "reverse_kl"
                           else torch.zeros(mask.shape))
-            old_logprobs = None if dist.one_update else (
-                ro.sampling_logprobs if cfg.ratio.old_logprobs == "rollout"
-                else packed.logprobs(actor.model, ro, chunks, device))
+            old_logprobs = None if dist.one_update else packed.old_logprobs(actor.model, ro, chunks, device,
+                                                                            cfg.ratio.old_logprobs)
 
         # 4. updates: num_iterations passes over the batch, num_mini_batches optimizer steps each, token mean
         tally, grad_norms = train.Tally(), []

@@ -28,7 +28,7 @@ from typing import ClassVar
 
 import torch
 
-from verl_kit import algos, config, models, rewards, rollout, train
+from verl_kit import algos, config, data, models, rewards, rollout, train
 from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger, Timer
 
@@ -54,10 +54,9 @@ class GRPOConfig(config.Config):
     num_iterations: int = field(default=1, metadata={"help": "passes over each rollout batch"})
     num_mini_batches: int = field(default=1, metadata={"help": "optimizer steps per pass"})
     loss_type: str = field(default="dapo", metadata={
-        "help": "TRL's names: the clipped loss reduced as dapo (mean over all tokens of the minibatch), grpo (mean "
-                "of per-response token means) or dr_grpo (sum over tokens / (responses x max_completion_length)); "
-                "or cispo (CISPO: the importance weight capped at --epsilon_high and detached, times log-prob and "
-                "advantage; reduced as dapo)"})
+        "help": "TRL's names, each a surrogate loss and the reduction it implies, declared in algos.POLICY_LOSSES "
+                "(docs/algorithms.md): the clipped loss as a token mean (dapo), a mean of response means (grpo) or a "
+                "constant normaliser (dr_grpo); cispo: CISPO's capped, detached weight (--epsilon_high)"})
     importance_sampling_level: str = field(default="token", metadata={
         "help": "token (PPO's per-token ratio) or sequence (GSPO: the mean log-ratio of the response on each of "
                 "its tokens); TRL's flag"})
@@ -111,7 +110,7 @@ def main():
     # ---- data, models, rewards -----------------------------------------------------------------------------------
     model_path = models.resolve_model_path(cfg.train.model_name_or_path)
     tokenizer = models.load_tokenizer(model_path, cfg.train.chat_template_kwargs, multi_turn=cfg.env.enabled)
-    prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
+    prompts, held_out = data.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
@@ -178,9 +177,8 @@ def main():
         with timer("ref"):
             chunks = train.micro_batches(cfg.train, list(range(B)), costs)
             ref_logprobs = packed.logprobs(ref, ro, chunks, device) if ref is not None else None
-            old_logprobs = None if grpo.one_update else (
-                ro.sampling_logprobs if cfg.ratio.old_logprobs == "rollout"
-                else packed.logprobs(actor.model, ro, chunks, device))
+            old_logprobs = None if grpo.one_update else packed.old_logprobs(actor.model, ro, chunks, device,
+                                                                            cfg.ratio.old_logprobs)
 
         # 4. updates: num_iterations passes over the batch, num_mini_batches optimizer steps each
         tally, grad_norms = train.Tally(), []

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from verl_kit import algos, config, models, rewards, rollout, train
+from verl_kit import algos, config, data, models, rewards, rollout, train
 from verl_kit.errors import UserError, main_guard
 from verl_kit.metrics import MetricsLogger, Timer
 
@@ -76,7 +76,7 @@ def main():
     # ---- data, models, rewards -----------------------------------------------------------------------------------
     model_path = models.resolve_model_path(cfg.train.model_name_or_path)
     tokenizer = models.load_tokenizer(model_path, cfg.train.chat_template_kwargs, multi_turn=cfg.env.enabled)
-    prompts, held_out = rollout.load_prompt_splits(cfg.train, tokenizer)
+    prompts, held_out = data.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn, checkpointing = cfg.train.attn_implementation, cfg.train.gradient_checkpointing
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
@@ -133,8 +133,7 @@ def main():
         costs = ro.costs  # tokens of each row's forward pass
         chunks = train.micro_batches(cfg.train, list(range(B)), costs)
         with timer("ref"):
-            old_logprobs = (ro.sampling_logprobs if cfg.ratio.old_logprobs == "rollout"
-                            else packed.logprobs(actor.model, ro, chunks, device))
+            old_logprobs = packed.old_logprobs(actor.model, ro, chunks, device, cfg.ratio.old_logprobs)
             ref_logprobs = packed.logprobs(ref, ro, chunks, device)
         with timer("values"):
             old_values = packed.per_token(lambda b, ix: train.critic_values(critic.model, b, ix), ro, chunks, device)

@@ -64,14 +64,14 @@ def test_online_policy_checkpoints_in_training_mode_without_dropout(tiny_model_p
 
 def test_chat_template_kwargs_reach_every_rendering(tiny_model_path, tmp_path):
     """--chat_template_kwargs '{"enable_thinking": false}' (models.load_tokenizer): a template that reads the variable
-    renders it in RL prompts (rollout.load_prompts), preference data (TRL's maybe_apply_chat_template) and SFT
+    renders it in RL prompts (data.load_prompts), preference data (TRL's maybe_apply_chat_template) and SFT
     conversations, and a distillation teacher's tokenizer is loaded with the student's; without the flag nothing
     changes, and the saved tokenizer does not carry it."""
     from datasets import Dataset
 
     from verl_kit.data import preference_examples, sft_examples
+    from verl_kit.data.prompts import load_prompts
     from verl_kit.models import CHAT_TEMPLATE
-    from verl_kit.rollout.prompts import load_prompts
 
     tok = load_tokenizer(tiny_model_path)
     thinking_off = "{% if enable_thinking is defined and not enable_thinking %}<|system|>{% endif %}"

@@ -182,10 +182,9 @@ def test_arith_task_data_rewards_and_two_grpo_steps(smollm2_path, tmp_path):
     eval/reward_mean (no learning asserted here: at the config's 8 x 8 responses per step that takes ~5 steps)."""
     from helpers import recipe_cmd
 
-    from verl_kit.data import ARITH, load_split, write_arith
+    from verl_kit.data import ARITH, load_prompts, load_split, write_arith
     from verl_kit.models import load_tokenizer
     from verl_kit.rewards import Rewards, reward_columns
-    from verl_kit.rollout import load_prompts
 
     write_arith(str(tmp_path / "arith"))
     for split in ("train", "test"):

@@ -13,7 +13,7 @@ import torch
 from helpers import add, eos_biased_engine
 
 from verl_kit.rollout import AgentEpisodes, Episodes, Prompts, Rollouts, SamplingParams, SingleTurn
-from verl_kit.rollout.types import ROW, TOKEN, EpisodeRunner, Rollout, concat_rollouts, select_rows
+from verl_kit.rollout.types import EPISODE, ROW, TOKEN, EpisodeRunner, Rollout, concat_rollouts, select_rows
 
 ROWS = [{"prompt": [{"role": "user", "content": f"Add {i} and 3. Be brief."}], "answer": str(i + 3)}
         for i in range(4)]
@@ -80,14 +80,17 @@ def test_every_runner_keeps_the_contract(batches, name):
     assert ro.rows == [ROWS[i] for i in ro.prompt_index]  # the batch carries each row's dataset row
     for f in fields(Rollout):  # every field None or one value per row, whatever its role
         value = getattr(ro, f.name)
-        if value is not None and f.metadata["role"] in (TOKEN, ROW):
+        if value is not None and f.metadata["role"] in (TOKEN, ROW, EPISODE):
             assert len(value) == B, f.name
             if f.metadata["role"] == TOKEN:
                 assert value.shape == ro.response_ids.shape, f.name
+            if f.metadata["role"] == EPISODE:  # the same on every row of an episode
+                assert all(value[i] == value[ro.first_rows()[e]] or value[i] != value[i]  # NaN
+                           for i, e in enumerate(episodes)), f.name
     assert (ro.sampling_logprobs[~ro.response_mask] == 0).all() and (ro.sampling_logprobs[ro.response_mask] <= 0).all()
-    if ro.env_mask is not None:  # sampled and inserted tokens never overlap; the episode's reward is on every row
+    if ro.env_mask is not None:  # sampled and inserted tokens never overlap
         assert not (ro.env_mask & ro.response_mask).any()
-        assert len(ro.episodes) == B and all("env_tokens" in e and "reward_source" in e for e in ro.episodes)
+        assert all("env_tokens" in e and "reward_source" in e for e in ro.episodes)
         assert torch.equal(ro.per_row(ro.per_episode(ro.env_reward)), ro.env_reward)
     if name == "tools":
         assert ro.env_mask.any(-1).all() and (ro.env_reward == 0.5).all()  # every episode got its reply

@@ -1,5 +1,5 @@
-"""Datasets in TRL's formats -> token ids: loading and bad-row errors, SFT formatting, packing (TokenBatch, packed or
-padded layout), the embedded tasks."""
+"""Datasets in TRL's formats -> token ids: loading and bad-row errors, the online recipes' prompts, SFT formatting,
+packing (TokenBatch, packed or padded layout), the embedded tasks."""
 
 from verl_kit.data.datasets import (
     PreferenceExample,
@@ -20,6 +20,7 @@ from verl_kit.data.packing import (
     pack_rows,
     split_by_tokens,
 )
+from verl_kit.data.prompts import Prompts, load_prompt_splits, load_prompts
 from verl_kit.data.sft import TINY_SFT, SFTExample, sft_examples, sft_format, truncate, write_sft_data
 from verl_kit.data.tasks import (
     ARITH,

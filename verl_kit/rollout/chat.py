@@ -1,17 +1,10 @@
 """The one chat renderer of multi-turn episodes and agents: a prompt with its tool descriptions, the messages an
-environment or a tool inserts, the tokens the template adds for them after an assistant turn (suffix ids), and the
-prefix rule that makes splicing those tokens exact.
-
-A turn's tokens are never re-rendered: each turn the engine continues from the episode's token ids so far, and what
-the environment says enters as the tokens the chat template adds for its messages, rendered after a dummy
-user/assistant exchange minus that exchange up to its EOS (TRL's `_get_tool_suffix_ids`). That is exact only for a
-template that extends a conversation by appending (the prefix property, `check_prefix_property`). Templates without
-tool support get the tools described in the system message and tool results as Hermes-style <tool_response> user
-messages.
-
-TRL's training templates (a prefix-preserving version of a model's template, where TRL has one) and
---chat_template_kwargs are the tokenizer's defaults, set once where it is loaded (models.load_tokenizer), so every
-rendering here and in the offline recipes' data sees them: this module renders through that tokenizer.
+environment or a tool inserts, the tokens the template adds for them after an assistant turn (suffix ids: rendered
+after a dummy exchange, minus that exchange up to its EOS, TRL's `_get_tool_suffix_ids`), and the prefix rule that
+makes splicing them exact (a template that extends a conversation by appending). Templates without tool support get
+the tools described in the system message and tool results as Hermes-style <tool_response> user messages.
+TRL's training templates and --chat_template_kwargs are the tokenizer's defaults, set where it is loaded
+(models.load_tokenizer), so every rendering sees them, here and in the offline recipes' data.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Multi-turn episodes over any rollout backend: the model calls tools or talks with an environment, and the tokens
+"""The runners of rollout.types.EpisodeRunner that the kit plays itself: SingleTurn (one generation per sample), and
+Episodes, multi-turn over any rollout backend: the model calls tools or talks with an environment, and the tokens
 trained on are exactly the tokens the engine sampled plus those the environment inserted.
 
 An episode starts from a dataset row: one environment instance (`--environment_factory`), `reset(**row)` (its string
@@ -6,11 +7,9 @@ appended to the last user message, as TRL), the prompt rendered with the tool sc
 (TRL's dict form, `--environment_factory name=spec,...`) each row's `environment` column picks one, and its prompt
 shows that environment's tools only. Each turn the backend generates from the episode's token ids so far (never
 re-rendered text), through the RolloutBackend protocol, so HF generate, a colocated vLLM engine and a vLLM server all
-run the same loop. A turn that ends in EOS is read for tool
-calls (rollout.tools); their results, or the environment's `respond(text)` reply, enter as the tokens the chat
-template adds for those messages: rendered after a dummy user/assistant exchange, minus that exchange up to its
-EOS (TRL's `_get_tool_suffix_ids`). That is exact only for a template that extends a conversation by appending (the
-prefix property), checked once at start (`check_prefix_property`).
+run the same loop. A turn that ends in EOS is read for tool calls (rollout.tools); their results, or the
+environment's `respond(text)` reply, enter as the tokens the chat template adds for those messages (rollout.chat:
+the suffix ids, exact for a template with the prefix property, checked once at start).
 
 `--max_completion_length` bounds the whole episode (sampled plus environment tokens, TRL's meaning); a turn cut by
 it, or an environment message that would not fit, ends the episode truncated. `--max_tool_calling_iterations` bounds

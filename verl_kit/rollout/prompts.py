@@ -1,5 +1,5 @@
-"""Prompts in, metrics out: the online recipes' prompt splits (token ids of each dataset row's prompt), held-out
-evaluation through any rollout backend, the rollout metrics of a step and readable sample rows."""
+"""Rollouts in, metrics out: held-out evaluation through any rollout backend, the rollout metrics of a step and
+readable sample rows (the prompt splits themselves: data.prompts)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,9 @@ from dataclasses import replace
 import torch
 
 from verl_kit.algos.evaluation import pass_at_k
-from verl_kit.config import TrainConfig
-from verl_kit.data.datasets import load_splits, truncate
-from verl_kit.errors import UserError
 from verl_kit.metrics import progress
 from verl_kit.rollout.types import Prompts, Rollout, SamplingParams, Scores, select_rows
 from verl_kit.train.distributed import Tally, reduce_metrics, shard
-
-
-def load_prompt_splits(cfg: TrainConfig, tokenizer) -> tuple[Prompts, Prompts]:
-    """The train and held-out prompts of a recipe config (the held-out set is empty without a test split)."""
-    train_ds, test_ds = load_splits(cfg)
-    splits = []
-    for ds, source in ((train_ds, cfg.dataset_name), (test_ds, f"{cfg.dataset_name}[{cfg.dataset_test_split}]")):
-        rows = list(ds) if ds is not None else []
-        splits.append(Prompts(rows, load_prompts(rows, tokenizer, cfg.max_prompt_length, source)))
-    return splits[0], splits[1]
 
 
 def rollout_metrics(ro: Rollout, scored: Scores, step_seconds: float, environments: tuple[str, ...] = ()
@@ -82,24 +69,6 @@ def episode_metrics(ro: Rollout, scores: torch.Tensor, environments: tuple[str, 
         out.update({call: calls / n, failure: t[f"{g}tool_failures"] / max(calls, 1), turns: t[f"{g}turns"] / n})
         if g:
             out.update({f"{g}reward_mean": t[f"{g}score"] / n, f"{g}share": t[f"{g}n"] / max(t["n"], 1)})
-    return out
-
-
-def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[list[int]]:
-    """Token ids of each row's `prompt` (a string, or chat messages rendered with the generation prompt); prompts
-    longer than max_prompt_length keep their last tokens."""
-    out = []
-    for row_no, row in enumerate(ds, start=1):
-        prompt = row.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        elif isinstance(prompt, str) and prompt.strip():
-            text = prompt
-        else:
-            raise UserError(f"{source} row {row_no}: field 'prompt' must be a non-empty string or chat messages")
-        ids, _, _ = truncate(tokenizer(text, add_special_tokens=False)["input_ids"], [], max_prompt_length,
-                             max_prompt_length + 1, source, row_no)  # the prompt part of the one rule
-        out.append(ids)
     return out
 
 

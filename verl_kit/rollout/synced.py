@@ -14,7 +14,7 @@ import torch
 from verl_kit.launch import processes
 from verl_kit.rollout.probe import Probe
 from verl_kit.rollout.transport import SLOT_NAME, SharedBuckets, slot_dir
-from verl_kit.rollout.types import Rollout
+from verl_kit.rollout.types import Rollout, Sample, rollout_of_samples
 from verl_kit.rollout.weight_sync import sync_weights
 
 
@@ -25,21 +25,12 @@ def orphan_guard() -> processes.OrphanGuard:
 
 def to_rollout(prompts_n: list[list[int]], completions: list[tuple[list[int], list[float], bool]], pad: int) -> Rollout:
     """(token ids, sampled-token log-probs, truncated) per response -> Rollout. The engine stops at (and keeps) the
-    EOS, so every returned token is a response token."""
-    R = max(1, max(len(ids) for ids, _, _ in completions))
-    B = len(completions)
-    response = torch.full((B, R), pad, dtype=torch.long)
-    mask = torch.zeros((B, R), dtype=torch.bool)
-    logprobs = torch.zeros((B, R), dtype=torch.float32)
-    truncated = torch.zeros(B, dtype=torch.bool)
-    for i, (ids, lps, trunc) in enumerate(completions):
+    EOS, so every returned token is a sampled response token."""
+    for ids, lps, _ in completions:
         if len(ids) != len(lps):
             raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} log-probs")
-        response[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        mask[i, :len(ids)] = True
-        logprobs[i, :len(ids)] = torch.tensor(lps, dtype=torch.float32)
-        truncated[i] = trunc
-    return Rollout(prompts_n, response, mask, logprobs, truncated)
+    return rollout_of_samples([Sample(p, ids, [True] * len(ids), lps, truncated)
+                               for p, (ids, lps, truncated) in zip(prompts_n, completions)], pad)
 
 
 class SyncedBackend:

@@ -13,6 +13,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from verl_kit.data.prompts import Prompts
+
 
 @dataclass
 class SamplingParams:
@@ -58,20 +60,6 @@ class RolloutBackend(Protocol):
         """Release the engine (processes, memory, shared-memory slots)."""
 
 
-@dataclass
-class Prompts:
-    """A split of prompts: the dataset `rows` (dicts: `prompt` and the other columns the rewards may read) and their
-    token `ids` (the prompt rendered with the chat template, truncated)."""
-
-    rows: list[dict]
-    ids: list[list[int]]
-
-    @staticmethod
-    def each(idx: list[int], n: int) -> list[int]:
-        """Each episode's prompt when every prompt of `idx` gets n of them (a group): idx[0] n times, then idx[1]..."""
-        return [i for i in idx for _ in range(n)]
-
-
 @runtime_checkable
 class EpisodeRunner(Protocol):
     """What turns prompts into episodes over a RolloutBackend: single-turn (rollout.episodes.SingleTurn), an
@@ -91,7 +79,9 @@ class EpisodeRunner(Protocol):
         """Release what the runner holds (an agent's endpoint)."""
 
 
-TOKEN, ROW = "token", "row"  # a Rollout field's role: (B, R) padded per token, or one value per row (B,)
+# A Rollout field's role: TOKEN (B, R), right-padded; ROW (B,), one value per row; EPISODE (B,), one value per episode,
+# repeated on each of its rows (an --agent's episode may span rows); GROUPING: the `episode` field itself.
+TOKEN, ROW, EPISODE, GROUPING = "token", "row", "episode", "grouping"
 
 
 def _field(role: str, pad=0, optional: bool = True):
@@ -105,8 +95,9 @@ def _field(role: str, pad=0, optional: bool = True):
 class Rollout:
     """B training rows (sequences) of E episodes: one row per episode, except an --agent's episode whose calls did not
     extend each other (rollout.agents); prompt i's samples are the episodes i*n .. i*n + n - 1. Every field declares
-    its role (TOKEN or ROW, in its metadata) and is None or has B rows, so joining, selecting and checkpointing are
-    written once over the fields (concat_rollouts, select_rows, state_dict): a new field is one line here.
+    its role (TOKEN, ROW or EPISODE, in its metadata) and is None or has B rows, so joining, selecting and
+    checkpointing are written once over the fields (concat_rollouts, select_rows, state_dict): a new field is one
+    line here.
 
     per row, from the backend (rollout.types.RolloutBackend.generate):
     prompt_ids         list of B token-id lists   the prompt of each response (unpadded, for packing)
@@ -115,17 +106,17 @@ class Rollout:
     sampling_logprobs  (B, R) float32             log-prob of each token under the sampling distribution
                                                   (temperature, top-k, top-p applied), 0 outside the mask
     truncated          (B,) bool                  no EOS within max_new_tokens
-    per row, set by rollout.Rollouts (the batch carries what it was generated for):
+    per episode, set by rollout.Rollouts (the batch carries what it was generated for):
     prompt_index       list of B ints             each row's prompt, as an index into the split it was asked from
     rows               list of B dicts            each row's dataset row (`prompt` and the columns rewards read)
-    per row, from multi-turn episodes (rollout.episodes, rollout.agents):
+    from multi-turn episodes (rollout.episodes, rollout.agents), per row but env_reward (per episode):
     env_mask           (B, R) bool                True on the tokens the environment inserted (tool results,
                                                   replies, the template's turn markers); the response is
                                                   response_mask | env_mask, and response_mask (the loss mask, the
                                                   sampling log-probs) covers only what the model sampled
     env_reward         (B,) float32               each episode's get_reward() (0 without one; an agent's return
-                                                  value), as returned: NaN where it raised; the same on every row
-                                                  of an episode; Rewards.environment checks and scores it
+                                                  value), as returned: NaN where it raised; Rewards.environment
+                                                  checks and scores it
     episodes           list of B dicts            rollout.types.episode_info: turns, tool_calls, tool_failures,
                                                   env_tokens, the messages, the environment's name
                                                   (multi-environment form) and class, env_errors, reward_error,
@@ -141,12 +132,12 @@ class Rollout:
     response_mask: torch.Tensor = _field(TOKEN, False, optional=False)
     sampling_logprobs: torch.Tensor = _field(TOKEN, 0.0, optional=False)
     truncated: torch.Tensor = _field(ROW, optional=False)
-    prompt_index: list[int] | None = _field(ROW)
-    rows: list[dict] | None = _field(ROW)
+    prompt_index: list[int] | None = _field(EPISODE)
+    rows: list[dict] | None = _field(EPISODE)
     env_mask: torch.Tensor | None = _field(TOKEN, False)
-    env_reward: torch.Tensor | None = _field(ROW)
+    env_reward: torch.Tensor | None = _field(EPISODE)
     episodes: list[dict] | None = _field(ROW)
-    episode: list[int] | None = field(default=None, metadata={"role": "episode"})
+    episode: list[int] | None = field(default=None, metadata={"role": GROUPING})
 
     # ---- rows and episodes --------------------------------------------------------------------------------------
     def first_rows(self) -> list[int]:
@@ -219,7 +210,7 @@ def concat_rollouts(batches: list[Rollout]) -> Rollout:
         offset += len(b.first_rows())
     for f in fields(Rollout):
         values = [getattr(b, f.name) for b in batches]
-        if f.metadata["role"] == "episode" or any(v is None for v in values):
+        if f.metadata["role"] == GROUPING or any(v is None for v in values):
             continue
         if f.metadata["role"] == TOKEN:
             out[f.name] = torch.cat([torch.nn.functional.pad(v, (0, R - v.shape[1]), value=f.metadata["pad"])
@@ -280,25 +271,29 @@ def episode_info(turns: int, tool_calls: int, messages, tool_failures: int = 0, 
             "env_class": env_class, "reward_source": reward_source}
 
 
-def rollout_of_samples(samples: list[Sample], pad_id: int, env_reward: list[float], infos: list[dict],
-                       episode: list[int] | None = None) -> Rollout:
-    """The Rollout of the runners' samples, one row each: their tokens right-padded with `pad_id`, response_mask on the
-    sampled tokens, env_mask on the inserted ones; `env_reward` and `infos` (episode_info) per row; `episode`: each
-    row's episode (None: one row each)."""
+def rollout_of_samples(samples: list[Sample], pad_id: int, env_reward: list[float] | None = None,
+                       infos: list[dict] | None = None, episode: list[int] | None = None) -> Rollout:
+    """The one builder of a Rollout from samples, one row each (a backend's responses, the runners' episodes): their
+    tokens right-padded with `pad_id`, response_mask on the sampled tokens. Multi-turn (`infos`, episode_info per
+    row): env_mask on the inserted tokens, `env_reward` per row, the infos with each row's env_tokens, and `episode`,
+    each row's episode (None: one row each)."""
     B, R = len(samples), max(1, max(len(s.ids) for s in samples))
     ids = torch.full((B, R), pad_id, dtype=torch.long)
     sampled = torch.zeros((B, R), dtype=torch.bool)
-    inserted = torch.zeros((B, R), dtype=torch.bool)
     logprobs = torch.zeros((B, R), dtype=torch.float32)
     for i, s in enumerate(samples):
         n = len(s.ids)
         ids[i, :n] = torch.tensor(s.ids, dtype=torch.long)
         sampled[i, :n] = torch.tensor(s.sampled, dtype=torch.bool)
-        inserted[i, :n] = ~sampled[i, :n]
         logprobs[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+    ro = Rollout([s.prompt for s in samples], ids, sampled, logprobs, torch.tensor([s.truncated for s in samples]))
+    if infos is None:
+        return ro
+    inserted = torch.zeros((B, R), dtype=torch.bool)
+    for i, s in enumerate(samples):
+        inserted[i, :len(s.ids)] = ~sampled[i, :len(s.ids)]
     infos = [{**info, "env_tokens": int(sum(not x for x in s.sampled))} for s, info in zip(samples, infos)]
-    return Rollout([s.prompt for s in samples], ids, sampled, logprobs, torch.tensor([s.truncated for s in samples]),
-                   env_mask=inserted, env_reward=torch.tensor(env_reward, dtype=torch.float32), episodes=infos,
+    return replace(ro, env_mask=inserted, env_reward=torch.tensor(env_reward, dtype=torch.float32), episodes=infos,
                    episode=None if episode is None else _numbered(episode))
 
 

@@ -163,6 +163,11 @@ class ResponsePacker:
         return self.per_token(lambda b, ix: head_logprobs(model, b.inputs(), ix.scored, ix.targets,
                                                           self.temperature)[0], rollout, chunks, device)
 
+    def old_logprobs(self, model, rollout, chunks: list[list[int]], device, source: str) -> torch.Tensor:
+        """(B, R) pi_old, the policy the updates' ratio is taken against (--old_logprobs): `model`'s log-probs before
+        the step's first update ("recompute"), or the engine's sampling log-probs ("rollout")."""
+        return rollout.sampling_logprobs if source == "rollout" else self.logprobs(model, rollout, chunks, device)
+
     @torch.no_grad()
     def per_token(self, fn: Callable[[TokenBatch, ResponseIndex], torch.Tensor], rollout, chunks: list[list[int]],
                   device) -> torch.Tensor:

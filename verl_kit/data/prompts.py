@@ -1,0 +1,52 @@
+"""The online recipes' prompts: each dataset row's `prompt` as token ids (a string, or chat messages rendered with
+the generation prompt), kept beside the row, for the train and held-out splits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl_kit.config import TrainConfig
+from verl_kit.data.datasets import load_splits, truncate
+from verl_kit.errors import UserError
+
+
+@dataclass
+class Prompts:
+    """A split of prompts: the dataset `rows` (dicts: `prompt` and the other columns the rewards may read) and their
+    token `ids` (the prompt rendered with the chat template, truncated)."""
+
+    rows: list[dict]
+    ids: list[list[int]]
+
+    @staticmethod
+    def each(idx: list[int], n: int) -> list[int]:
+        """Each episode's prompt when every prompt of `idx` gets n of them (a group): idx[0] n times, then idx[1]..."""
+        return [i for i in idx for _ in range(n)]
+
+
+def load_prompt_splits(cfg: TrainConfig, tokenizer) -> tuple[Prompts, Prompts]:
+    """The train and held-out prompts of a recipe config (the held-out set is empty without a test split)."""
+    train_ds, test_ds = load_splits(cfg)
+    splits = []
+    for ds, source in ((train_ds, cfg.dataset_name), (test_ds, f"{cfg.dataset_name}[{cfg.dataset_test_split}]")):
+        rows = list(ds) if ds is not None else []
+        splits.append(Prompts(rows, load_prompts(rows, tokenizer, cfg.max_prompt_length, source)))
+    return splits[0], splits[1]
+
+
+def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[list[int]]:
+    """Token ids of each row's `prompt` (a string, or chat messages rendered with the generation prompt); prompts
+    longer than max_prompt_length keep their last tokens."""
+    out = []
+    for row_no, row in enumerate(ds, start=1):
+        prompt = row.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        elif isinstance(prompt, str) and prompt.strip():
+            text = prompt
+        else:
+            raise UserError(f"{source} row {row_no}: field 'prompt' must be a non-empty string or chat messages")
+        ids, _, _ = truncate(tokenizer(text, add_special_tokens=False)["input_ids"], [], max_prompt_length,
+                             max_prompt_length + 1, source, row_no)  # the prompt part of the one rule
+        out.append(ids)
+    return out
