@@ -204,9 +204,8 @@ def main():
         metrics = {**rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"]),
                    "teacher_kl": t["teacher_kl"] / t["kl_tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("loss", "pg_clipfrac", "approx_kl", "entropy")},
-                   "grad_norm": sum(grad_norms) / len(grad_norms), "nonfinite_skips": actor.nonfinite_skips,
-                   "learning_rate": actor.learning_rate,
-                   "rollout/staleness": staleness, **algos.step_metrics(t), **timer.seconds, **sync_metrics}
+                   **actor.metrics(grad_norms), "rollout/staleness": staleness, **algos.step_metrics(t),
+                   **timer.seconds, **sync_metrics}
         if not reward:
             metrics = {k: v for k, v in metrics.items() if not k.startswith("reward/")}
         if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,

@@ -114,20 +114,17 @@ def main():
     start = train.resume(accelerator, tc, flags)  # 0 unless --resume_from_checkpoint
     log = MetricsLogger(accelerator, tc.output_dir, total_steps, start, flags, tc.run_name)
 
-    def evaluate(step):
+    def evaluate():
         logps = train.score_items(accelerator, policy.model, items(test), tc, pad, block_mask, "eval")
         rewards = algos.implicit_rewards(logps, ref_test, dpo.beta)
         acc = (rewards[:, 0] > rewards[:, 1]).float().mean().item()
         loss = pair_loss(logps, ref_test, lengths(test), terms, dpo)
-        log.log(step, {"eval/loss": loss.mean().item(), "eval/rewards/accuracy": acc,
-                       "eval/rewards/margin": (rewards[:, 0] - rewards[:, 1]).mean().item()})
+        return {"eval/loss": loss.mean().item(), "eval/rewards/accuracy": acc,
+                "eval/rewards/margin": (rewards[:, 0] - rewards[:, 1]).mean().item()}
 
     if start == 0:
-        local, total = train.param_counts(policy.model)
-        log.log(0, {"world_size": world, "params/total": total, "params/local": local, "pairs/train": len(pairs),
-                    "pairs/test": len(test)})
-        if test:
-            evaluate(0)
+        log.log(0, {**train.size_metrics(policy.model, world), "pairs/train": len(pairs), "pairs/test": len(test),
+                    **(evaluate() if test else {})})
 
     # ---- training loop -------------------------------------------------------------------------------------------
     policy.model.train()
@@ -135,7 +132,7 @@ def main():
     for step in range(start, total_steps):
         t0 = time.time()
         idx = train.step_indices(len(pairs), step, per_step, tc.seed, rank, world)
-        costs = [2 * len(pairs[i].prompt_ids) + len(pairs[i].chosen_ids) + len(pairs[i].rejected_ids) for i in idx]
+        costs = [pairs[i].cost for i in idx]
         tally = train.Tally()
         for chunk in policy.accumulate(train.micro_batches(tc, idx, costs)):
             exs = [pairs[i] for i in chunk]
@@ -152,16 +149,11 @@ def main():
         grad_norm = policy.step()
         t = tally.reduce()
         dt = time.time() - t0
-        log.advance(loss=t["loss"] / per_step)
-        if (step + 1) % tc.logging_steps == 0 or step == start:
-            log.log(step + 1, {"loss": t["loss"] / per_step, "rewards/accuracy": t["correct"] / per_step,
-                               "rewards/margin": t["margin"] / per_step, "rewards/chosen": t["chosen"] / per_step,
-                               "rewards/rejected": t["rejected"] / per_step, "grad_norm": grad_norm,
-                               "nonfinite_skips": policy.nonfinite_skips,
-                               "learning_rate": policy.learning_rate, "perf/tokens_per_s": t["tokens"] / dt,
-                               "timing_s/step": dt, "tokens": t["tokens"]})
-        if test and ((step + 1) % tc.eval_steps == 0 or step + 1 == total_steps):
-            evaluate(step + 1)
+        metrics = {"loss": t["loss"] / per_step, "rewards/accuracy": t["correct"] / per_step,
+                   **{f"rewards/{k}": t[k] / per_step for k in ("margin", "chosen", "rejected")},
+                   **policy.metrics([grad_norm]), "perf/tokens_per_s": t["tokens"] / dt, "timing_s/step": dt,
+                   "tokens": t["tokens"]}
+        log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
         if stop := train.save_if_due(accelerator, tc, step + 1, flags):
             break  # saved: the run ends below, without an export
 

@@ -218,10 +218,8 @@ def main():
         metrics = {**rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments),
                    "reward/frac_zero_std": t["flat_groups"] / t["groups"], "kl": t["kl"] / tokens,
                    **{f"actor/{k}": t[k] / tokens for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
-                   "grad_norm": sum(grad_norms) / len(grad_norms), "nonfinite_skips": actor.nonfinite_skips,
-                   "learning_rate": actor.learning_rate,
-                   "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(), **sampled,
-                   **timer.seconds, **sync_metrics}
+                   **actor.metrics(grad_norms), "rollout/staleness": staleness, **algos.step_metrics(t),
+                   **reward.metrics(), **sampled, **timer.seconds, **sync_metrics}
         if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,
                         evaluate if held_out.ids else None):  # a logging step: a few samples beside the metrics
             log.log_samples(rollout.sample_rows(step + 1, ro, scored.total, tokenizer))

@@ -114,7 +114,7 @@ def main():
     start = train.resume(accelerator, tc, flags)  # 0 unless --resume_from_checkpoint
     log = MetricsLogger(accelerator, tc.output_dir, total_steps, start, flags, tc.run_name)
 
-    def evaluate(step):
+    def evaluate():
         logratio = score(test, kl_test, "eval") - ref_test
         z0 = algos.kl_reference_point(logratio[:, 1].sum(), torch.tensor(len(test)))
         y = labels(test, range(len(test)))
@@ -122,12 +122,12 @@ def main():
         acc = ((logratio[:, 0] > z0) == y).float().mean().item()
         losses = algos.kto_loss(logratio[:, 0], torch.zeros(len(test)), y, z0, kto.beta, kto.desirable_weight,
                                 kto.undesirable_weight)
-        log.log(step, {"eval/loss": losses.mean().item(), "eval/rewards/accuracy": acc, "eval/kl": z0.item(),
-                       "eval/rewards/desirable": kto.beta * logratio[y, 0].mean().item(),
-                       "eval/rewards/undesirable": kto.beta * logratio[~y, 0].mean().item()})
+        return {"eval/loss": losses.mean().item(), "eval/rewards/accuracy": acc, "eval/kl": z0.item(),
+                "eval/rewards/desirable": kto.beta * logratio[y, 0].mean().item(),
+                "eval/rewards/undesirable": kto.beta * logratio[~y, 0].mean().item()}
 
     if start == 0 and test:
-        evaluate(0)
+        log.log(0, evaluate())
 
     # ---- training loop -------------------------------------------------------------------------------------------
     policy.model.train()
@@ -169,20 +169,15 @@ def main():
         t = tally.reduce()
         tokens = t["tokens"] + kl["tokens"]
         dt = time.time() - t0
-        log.advance(loss=t["loss"] / per_step)
-        if (step + 1) % tc.logging_steps == 0 or step == start:
-            by_class = {}  # a class absent from the whole step has no mean: its keys are left out of the row
-            for cls in ("desirable", "undesirable"):
-                n, lr = t[f"n_{cls[:3]}"], t[f"logratio_{cls[:3]}"]
-                if n:
-                    by_class.update({f"logratio/{cls}": lr / n, f"rewards/{cls}": kto.beta * lr / n})
-            log.log(step + 1, {"loss": t["loss"] / per_step, "kl": z0.item(),
-                               "rewards/accuracy": t["correct"] / per_step, **by_class, "grad_norm": grad_norm,
-                               "nonfinite_skips": policy.nonfinite_skips,
-                               "learning_rate": policy.learning_rate,
-                               "perf/tokens_per_s": tokens / dt, "timing_s/step": dt, "tokens": tokens})
-        if test and ((step + 1) % tc.eval_steps == 0 or step + 1 == total_steps):
-            evaluate(step + 1)
+        by_class = {}  # a class absent from the whole step has no mean: its keys are left out of the row
+        for cls in ("desirable", "undesirable"):
+            n, lr = t[f"n_{cls[:3]}"], t[f"logratio_{cls[:3]}"]
+            if n:
+                by_class.update({f"logratio/{cls}": lr / n, f"rewards/{cls}": kto.beta * lr / n})
+        metrics = {"loss": t["loss"] / per_step, "kl": z0.item(), "rewards/accuracy": t["correct"] / per_step,
+                   **by_class, **policy.metrics([grad_norm]), "perf/tokens_per_s": tokens / dt, "timing_s/step": dt,
+                   "tokens": tokens}
+        log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
         if stop := train.save_if_due(accelerator, tc, step + 1, flags):
             break  # saved: the run ends below, without an export
 

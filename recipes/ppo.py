@@ -190,14 +190,13 @@ def main():
         explained = 1.0 - algos.masked_variance(t, "resid_") / max(algos.masked_variance(t, "ret_"), 1e-8)
         metrics = {"kl": kl_mean, "kl_coef": kl_coef,
                    **{f"actor/{k}": t[k] / tokens for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
-                   "grad_norm": sum(grad_norms["actor"]) / len(grad_norms["actor"]),
-                   "nonfinite_skips": actor.nonfinite_skips, "critic/nonfinite_skips": critic.nonfinite_skips,
+                   **actor.metrics(grad_norms["actor"]), "critic/nonfinite_skips": critic.nonfinite_skips,
                    "critic/vf_loss": t["vf_loss"] / tokens, "critic/vf_clipfrac": t["vf_clipfrac"] / tokens,
                    "critic/explained_var": explained,
                    "critic/grad_norm": sum(grad_norms["critic"]) / len(grad_norms["critic"]),
                    **rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments),
-                   "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(),
-                   "learning_rate": actor.learning_rate, **timer.seconds, **sync_metrics}
+                   "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(), **timer.seconds,
+                   **sync_metrics}
         if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,
                         evaluate if held_out.ids else None):  # a logging step: a few samples beside the metrics
             log.log_samples(rollout.sample_rows(step + 1, ro, scores, tokenizer))

@@ -68,19 +68,15 @@ def main():
     start = train.resume(accelerator, tc, flags)  # 0 unless --resume_from_checkpoint
     log = MetricsLogger(accelerator, tc.output_dir, total_steps, start, flags, tc.run_name)
 
-    def evaluate(step):
+    def evaluate():
         r = rewards.score_rewards(accelerator, rm.model, items(test), tc, pad, block_mask, "eval")
         loss = algos.bradley_terry_loss(r[:, 0], r[:, 1], margin_test, center)
-        log.log(step, {"eval/loss": loss.mean().item(),
-                       "eval/rewards/accuracy": (r[:, 0] > r[:, 1]).float().mean().item(),
-                       "eval/rewards/margin": (r[:, 0] - r[:, 1]).mean().item(), "eval/rewards/mean": r.mean().item()})
+        return {"eval/loss": loss.mean().item(), "eval/rewards/accuracy": (r[:, 0] > r[:, 1]).float().mean().item(),
+                "eval/rewards/margin": (r[:, 0] - r[:, 1]).mean().item(), "eval/rewards/mean": r.mean().item()}
 
     if start == 0:
-        local, total = train.param_counts(rm.model)
-        log.log(0, {"world_size": world, "params/total": total, "params/local": local, "pairs/train": len(pairs),
-                    "pairs/test": len(test)})
-        if test:
-            evaluate(0)
+        log.log(0, {**train.size_metrics(rm.model, world), "pairs/train": len(pairs), "pairs/test": len(test),
+                    **(evaluate() if test else {})})
 
     # ---- training loop -------------------------------------------------------------------------------------------
     rm.model.train()
@@ -88,7 +84,7 @@ def main():
     for step in range(start, total_steps):
         t0 = time.time()
         idx = train.step_indices(len(pairs), step, per_step, tc.seed, rank, world)
-        costs = [2 * len(pairs[i].prompt_ids) + len(pairs[i].chosen_ids) + len(pairs[i].rejected_ids) for i in idx]
+        costs = [pairs[i].cost for i in idx]
         tally = train.Tally()
         for chunk in rm.accumulate(train.micro_batches(tc, idx, costs)):
             batch = train.make_batch(items([pairs[i] for i in chunk]), tc, pad, block_mask).to(device)
@@ -104,16 +100,11 @@ def main():
         grad_norm = rm.step()
         t = tally.reduce()
         dt = time.time() - t0
-        log.advance(loss=t["loss"] / per_step)
-        if (step + 1) % tc.logging_steps == 0 or step == start:
-            log.log(step + 1, {"loss": t["loss"] / per_step, "rewards/accuracy": t["correct"] / per_step,
-                               "rewards/margin": t["margin"] / per_step, "rewards/chosen": t["chosen"] / per_step,
-                               "rewards/rejected": t["rejected"] / per_step, "grad_norm": grad_norm,
-                               "nonfinite_skips": rm.nonfinite_skips,
-                               "learning_rate": rm.learning_rate, "perf/tokens_per_s": t["tokens"] / dt,
-                               "timing_s/step": dt, "tokens": t["tokens"]})
-        if test and ((step + 1) % tc.eval_steps == 0 or step + 1 == total_steps):
-            evaluate(step + 1)
+        metrics = {"loss": t["loss"] / per_step, "rewards/accuracy": t["correct"] / per_step,
+                   **{f"rewards/{k}": t[k] / per_step for k in ("margin", "chosen", "rejected")},
+                   **rm.metrics([grad_norm]), "perf/tokens_per_s": t["tokens"] / dt, "timing_s/step": dt,
+                   "tokens": t["tokens"]}
+        log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
         if stop := train.save_if_due(accelerator, tc, step + 1, flags):
             break  # saved: the run ends below, without an export
 

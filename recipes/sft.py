@@ -76,18 +76,15 @@ def main():
     start = train.resume(accelerator, tc, flags)  # 0 unless --resume_from_checkpoint
     log = MetricsLogger(accelerator, tc.output_dir, total_steps, start, flags, tc.run_name)
 
-    def evaluate(step):  # token-mean NLL over the whole held-out split, and its perplexity
+    def evaluate():  # token-mean NLL over the whole held-out split, and its perplexity
         logps = train.score_items(accelerator, policy.model, items(test), tc, pad, block_mask, "eval")
         loss = -logps.sum().item() / learned(test)
-        log.log(step, {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))})
+        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
     if start == 0:
-        local, total = train.param_counts(policy.model)
-        log.log(0, {"world_size": world, "params/total": total, "params/local": local,
-                    "sequences/train": len(examples), "sequences/test": len(test),
-                    "learned_tokens/train": learned(examples)})
-        if test:
-            evaluate(0)
+        log.log(0, {**train.size_metrics(policy.model, world), "sequences/train": len(examples),
+                    "sequences/test": len(test), "learned_tokens/train": learned(examples),
+                    **(evaluate() if test else {})})
 
     # ---- training loop -------------------------------------------------------------------------------------------
     policy.model.train()
@@ -108,14 +105,9 @@ def main():
         grad_norm = policy.step()
         t = tally.reduce()
         dt = time.time() - t0
-        log.advance(loss=t["nll"] / n_tokens)
-        if (step + 1) % tc.logging_steps == 0 or step == start:
-            log.log(step + 1, {"loss": t["nll"] / n_tokens, "grad_norm": grad_norm,
-                               "nonfinite_skips": policy.nonfinite_skips, "learning_rate": policy.learning_rate,
-                               "learned_tokens": n_tokens, "tokens": t["tokens"],
-                               "perf/tokens_per_s": t["tokens"] / dt, "timing_s/step": dt})
-        if test and ((step + 1) % tc.eval_steps == 0 or step + 1 == total_steps):
-            evaluate(step + 1)
+        metrics = {"loss": t["nll"] / n_tokens, **policy.metrics([grad_norm]), "learned_tokens": n_tokens,
+                   "tokens": t["tokens"], "perf/tokens_per_s": t["tokens"] / dt, "timing_s/step": dt}
+        log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
         if stop := train.save_if_due(accelerator, tc, step + 1, flags):
             break  # saved: the run ends below, without an export
 

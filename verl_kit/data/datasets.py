@@ -165,6 +165,11 @@ class PreferenceExample:
     chosen_ids: list[int]
     rejected_ids: list[int]
 
+    @property
+    def cost(self) -> int:
+        """Tokens of the pair's two forward passes (prompt + chosen, prompt + rejected): what micro-batches pack by."""
+        return 2 * len(self.prompt_ids) + len(self.chosen_ids) + len(self.rejected_ids)
+
 
 def preference_examples(ds, tokenizer, max_prompt_length: int | None, max_length: int,
                         source: str) -> list[PreferenceExample]:

@@ -19,9 +19,10 @@ class Prompts:
     ids: list[list[int]]
 
     @staticmethod
-    def each(idx: list[int], n: int) -> list[int]:
-        """Each episode's prompt when every prompt of `idx` gets n of them (a group): idx[0] n times, then idx[1]..."""
-        return [i for i in idx for _ in range(n)]
+    def each(items: list, n: int) -> list:
+        """Each sample's prompt when every prompt of `items` (indices or token ids) gets n of them, a group:
+        items[0] n times, then items[1]... (the one order of a batch's samples: backends, runners, Rollouts)."""
+        return [x for x in items for _ in range(n)]
 
 
 def load_prompt_splits(cfg: TrainConfig, tokenizer) -> tuple[Prompts, Prompts]:

@@ -30,7 +30,7 @@ import torch
 
 from verl_kit.models.lora import peft_model
 from verl_kit.rollout.probe import trainer_logprobs
-from verl_kit.rollout.types import Rollout, SamplingParams
+from verl_kit.rollout.types import Prompts, Rollout, SamplingParams
 from verl_kit.rollout.weight_sync import gathered_buckets
 
 
@@ -171,7 +171,7 @@ class HFGenerateBackend:
         from transformers import GenerationConfig
 
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        prompts_n = [p for p in prompts for _ in range(params.n)]
+        prompts_n = Prompts.each(prompts, params.n)
         kept, self._kept = self._kept, None
         distinct = [list(p) for p in dict.fromkeys(map(tuple, prompts_n))] if kept is None else prompts_n
         if len(distinct) < len(prompts_n):

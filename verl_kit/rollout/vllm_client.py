@@ -12,7 +12,7 @@ import torch
 from verl_kit.errors import UserError
 from verl_kit.rollout.probe import Probe, default_probe_threshold
 from verl_kit.rollout.synced import SyncedBackend, to_rollout
-from verl_kit.rollout.types import Rollout, SamplingParams
+from verl_kit.rollout.types import Prompts, Rollout, SamplingParams
 from verl_kit.rollout.vllm_server import auth_headers, is_loopback_url, key_for
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class VLLMServer(SyncedBackend):
         choices = self._completions(prompts, body)
         completions = [(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "length")
                        for c in choices]
-        prompts_n = [p for p in prompts for _ in range(params.n)]
+        prompts_n = Prompts.each(prompts, params.n)
         return to_rollout(prompts_n, completions, self.tokenizer.pad_token_id)
 
     def close(self) -> None:

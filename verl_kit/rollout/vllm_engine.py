@@ -30,7 +30,7 @@ import torch
 from verl_kit.errors import UserError
 from verl_kit.rollout.probe import Probe, default_probe_threshold
 from verl_kit.rollout.synced import SyncedBackend, orphan_guard, to_rollout
-from verl_kit.rollout.types import Rollout, SamplingParams
+from verl_kit.rollout.types import Prompts, Rollout, SamplingParams
 from verl_kit.rollout.worker_extension import WORKER_EXTENSION
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class VLLMColocated(SyncedBackend):
         """With `params.seed`, sample i (of len(prompts) * n) draws from its own generator seeded seed + i: the
         samples then depend only on the seed, not on what the engine generated before (a resumed run regenerates
         them exactly) nor on how the engine batches them."""
-        prompts_n = [p for p in prompts for _ in range(params.n)]
+        prompts_n = Prompts.each(prompts, params.n)
         if params.seed is None:
             outs = self._run(prompts, vllm_sampling(params))
         else:

@@ -38,6 +38,7 @@ from verl_kit.train.distributed import (
     reduce_metrics,
     shard,
     sharding,
+    size_metrics,
     step_indices,
     step_seed,
     steps_indices,

@@ -229,6 +229,13 @@ def destroy(stop: int = 0) -> None:
         sys.exit(exit_code)
 
 
+def size_metrics(model, world_size: int) -> dict:
+    """What the offline recipes log at step 0 of a run: world_size, params/total (the whole model's parameters) and
+    params/local (those this rank holds: about total / world under ZeRO-3 or FSDP2)."""
+    local, total = param_counts(model)
+    return {"world_size": world_size, "params/total": total, "params/local": local}
+
+
 def param_counts(model) -> tuple[int, int]:
     """(parameters held by this rank, parameters of the whole model). Under ZeRO-3 a parameter's local shard is
     `ds_tensor` and its full size `ds_numel`; under FSDP2 a DTensor's local shard; otherwise every rank holds

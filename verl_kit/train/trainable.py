@@ -167,6 +167,12 @@ class Trainable:
     def learning_rate(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
+    def metrics(self, grad_norms: list[float]) -> dict:
+        """What every recipe logs of its trained model after a step: grad_norm (the mean over the step's optimizer
+        steps, `grad_norms`), nonfinite_skips (since the start) and learning_rate."""
+        return {"grad_norm": sum(grad_norms) / len(grad_norms), "nonfinite_skips": self.nonfinite_skips,
+                "learning_rate": self.learning_rate}
+
     def unwrapped(self) -> nn.Module:
         """The HF model inside the DDP/DeepSpeed wrapper (its parameters are still ZeRO-3 shards)."""
         return self.accelerator.unwrap_model(self.model)
