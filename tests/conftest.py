@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 # DeepSpeed's CPU Adam (ZeRO-3 offload) from the one JIT build `make install` made, also when pytest runs outside make.
@@ -66,7 +67,8 @@ def pytest_collection_finish(session):
 
 class SharedServer:
     """The session's server, started by the first test that asks for it and stopped after the last one (not at the
-    end of the session: an idle vLLM server holds ~3 GB)."""
+    end of the session: an idle vLLM server holds ~3 GB). It starts as a user starts one, `make vllm-serve` (with its
+    key in VLLM_API_KEY, as docs/rollouts.md says for a key of one's own), so every server test runs that command."""
 
     server = None
 
@@ -74,9 +76,15 @@ class SharedServer:
         if self.server is None:
             from verl_kit.rollout import ServerProcess
 
+            class MakeServe(ServerProcess):
+                def command(self, model_path, host, serve_kwargs):
+                    args = " ".join(f"--{k} {v}" for k, v in serve_kwargs.items())
+                    return ["make", "-s", "--no-print-directory", "-C", str(REPO), "vllm-serve",
+                            f"MODEL={model_path}", f"VLLM_PORT={self.port}", f"VLLM_ARGS={args}"]
+
             os.environ["VLLM_HOST_IP"] = "127.0.0.1"
-            self.server = ServerProcess(tiny_model_path, dtype="float32", max_num_seqs=64, max_model_len=512,
-                                        kv_cache_gib=1, startup_timeout_s=400)
+            self.server = MakeServe(tiny_model_path, dtype="float32", max_num_seqs=64, max_model_len=512,
+                                    kv_cache_gib=1, startup_timeout_s=400)
         assert self.server.proc.poll() is None, "the shared vLLM server died (a test must not kill it)"
         return self.server
 

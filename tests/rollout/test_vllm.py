@@ -249,15 +249,17 @@ def test_unreachable_server_is_a_user_error(tokenizer):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_ppo_runs_against_the_shared_server(vllm_server, tmp_path):
-    """`--vllm_server_url`: the run syncs into a server it did not start, given the server's key in VLLM_API_KEY (a
-    run without the URL starts its own through the same ServerProcess: test_server_started_by_a_run_dies_with_it)."""
+def test_grpo_runs_against_the_shared_server(vllm_server, tmp_path):
+    """`--vllm_server_url`: the run syncs into a server it did not start, given the server's key in VLLM_API_KEY.
+    The shared server was started as a user starts one, `make vllm-serve` (tests/conftest.py: on main 64ad734 that
+    command ended in "module '__main__' has no attribute 'RequireKey'"); a run without the URL starts its own through
+    the same ServerProcess: test_server_started_by_a_run_dies_with_it."""
     from helpers import metrics, recipe_cmd, run
 
     out = tmp_path / "run"
-    run(recipe_cmd("ppo.py", ["--rollout", "vllm-server", "--vllm_server_url", vllm_server.url, "--output_dir",
-                              str(out), "--max_steps", "2", "--prompts_per_step", "8", "--num_ppo_epochs", "1",
-                              "--num_mini_batches", "1", "--logging_steps", "1", "--dataset_test_split", "none"]),
+    run(recipe_cmd("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", vllm_server.url, "--output_dir",
+                               str(out), "--max_steps", "2", "--prompts_per_step", "8", "--logging_steps", "1",
+                               "--dataset_test_split", "none"]),
         timeout=300,
         VLLM_HOST_IP="127.0.0.1", VLLM_API_KEY=vllm_server.api_key)
     rows_ = [r for r in metrics(out) if "reward/mean" in r]

@@ -81,6 +81,9 @@ def auth_headers(key: str | None) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+MIDDLEWARE = "verl_kit.rollout.vllm_server.RequireKey"  # its import path: under `python -m` __name__ is __main__
+
+
 class RequireKey:
     """ASGI middleware of the kit's server (vLLM's `--middleware`, so it wraps every route, mount and dev endpoint):
     a request without `Authorization: Bearer <VLLM_API_KEY>` gets 401 on every path and method, /collective_rpc,
@@ -117,7 +120,7 @@ def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", host,
             "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
             *(["--max-model-len", str(max_model_len)] if max_model_len else []),
-            "--worker-extension-cls", WORKER_EXTENSION, "--middleware", f"{__name__}.RequireKey",
+            "--worker-extension-cls", WORKER_EXTENSION, "--middleware", MIDDLEWARE,
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
             # CPU: no chunked prefill, as for the colocated engine (rollout.vllm_engine.VLLMColocated): a seeded request
             # whose prompt is prefilled in pieces kills a CPU engine.
@@ -153,7 +156,7 @@ class ServerProcess:
         use_key(self.url, self.api_key)
         self.log_path = log_path or os.path.join("/tmp", f"verl_kit_vllm_{self.port}.log")
         self.log = _private_file(self.log_path)  # prompts and errors: for this user only
-        cmd = serve_command(model_path, self.port, host=host, **serve_kwargs)
+        cmd = self.command(model_path, host, serve_kwargs)
         self.group = GuardedGroup(cmd, env=serve_env(self.api_key, kv_cache_gib), log=self.log, guard=orphan_guard())
         self.proc = self.group.proc
         deadline = time.time() + startup_timeout_s
@@ -174,6 +177,11 @@ class ServerProcess:
                 raise RuntimeError(f"vLLM server not healthy after {startup_timeout_s}s; log: {self.log_path}")
             time.sleep(1)
         logger.info("vLLM server ready at %s (log %s)", self.url, self.log_path)
+
+    def command(self, model_path: str, host: str, serve_kwargs: dict) -> list[str]:
+        """What starts the server (serve_command; the tests' shared server runs `make vllm-serve` instead, the
+        command a user types, which ends in the same one)."""
+        return serve_command(model_path, self.port, host=host, **serve_kwargs)
 
     def stop(self, timeout_s: float = 30) -> None:
         """SIGTERM the server's process group, SIGKILL it if it is not gone within timeout_s."""
