@@ -21,7 +21,6 @@ A task reward (--reward_fn) is logged, evaluated held out (its accuracy where th
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -218,7 +217,7 @@ def main():
 
     rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
     if not stop:
-        models.export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.train.output_dir, "final"))
+        train.export_final(accelerator, actor.model, tokenizer, cfg.train.output_dir, total_steps)
         log.close(["teacher_kl", "eval/teacher_kl", "eval/reward_mean", "actor/entropy", "response_length/mean"])
     train.destroy(stop)  # after a stop signal: exits with 128 + its number
 

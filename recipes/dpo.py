@@ -13,7 +13,6 @@ resume, before the checkpoint is loaded), so no second model sits in memory besi
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -158,7 +157,7 @@ def main():
             break  # saved: the run ends below, without an export
 
     if not stop:
-        models.export_hf(accelerator, policy.model, tokenizer, os.path.join(tc.output_dir, "final"))
+        train.export_final(accelerator, policy.model, tokenizer, tc.output_dir, total_steps)
         log.close(["loss", "rewards/accuracy", "rewards/margin", "eval/rewards/accuracy", "perf/tokens_per_s"])
     train.destroy(stop)  # after a stop signal: exits with 128 + its number
 

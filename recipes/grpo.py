@@ -21,7 +21,6 @@ changes the loop (another model, another data flow: PPO's critic, distillation's
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -228,7 +227,7 @@ def main():
 
     rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
     if not stop:
-        models.export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.train.output_dir, "final"))
+        train.export_final(accelerator, actor.model, tokenizer, cfg.train.output_dir, total_steps)
         log.close(["reward/mean", "eval/reward_mean", "kl", "actor/entropy", "response_length/mean"])
     train.destroy(stop)  # after a stop signal: exits with 128 + its number
 

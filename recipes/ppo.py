@@ -21,7 +21,6 @@ shorter reply can win it.
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -205,7 +204,7 @@ def main():
 
     rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)
     if not stop:
-        models.export_hf(accelerator, actor.model, tokenizer, os.path.join(cfg.train.output_dir, "final"))
+        train.export_final(accelerator, actor.model, tokenizer, cfg.train.output_dir, total_steps)
         log.close(["reward/mean", "eval/reward_mean", "kl", "actor/entropy", "critic/explained_var",
                    "response_length/mean"])
     train.destroy(stop)  # after a stop signal: exits with 128 + its number

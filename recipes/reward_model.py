@@ -15,7 +15,6 @@ The export in <output_dir>/final carries the tokenizer and its chat template, wh
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -109,7 +108,7 @@ def main():
             break  # saved: the run ends below, without an export
 
     if not stop:
-        models.export_hf(accelerator, rm.model, tokenizer, os.path.join(tc.output_dir, "final"))
+        train.export_final(accelerator, rm.model, tokenizer, tc.output_dir, total_steps)
         log.close(["loss", "rewards/accuracy", "eval/rewards/accuracy", "perf/tokens_per_s"])
     train.destroy(stop)  # after a stop signal: exits with 128 + its number
 

@@ -14,7 +14,6 @@ Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -112,7 +111,7 @@ def main():
             break  # saved: the run ends below, without an export
 
     if not stop:
-        models.export_hf(accelerator, policy.model, tokenizer, os.path.join(tc.output_dir, "final"))
+        train.export_final(accelerator, policy.model, tokenizer, tc.output_dir, total_steps)
         log.close(["loss", "eval/loss", "perf/tokens_per_s"])
     train.destroy(stop)  # after a stop signal: exits with 128 + its number
 

@@ -218,6 +218,33 @@ def test_nonfinite_weights_are_not_saved(tmp_path):
     assert sorted(os.listdir(cfg.output_dir)) == ["checkpoint-1"]
 
 
+def test_nonfinite_weights_are_not_published(tmp_path, tiny_model_path):
+    """Nothing non-finite is published (issue 55, item 2): the final export of a model with a NaN in a trainable
+    weight stops in one line naming the step and the last checkpoint, and an earlier final/ stays as it was. On main
+    64ad734 the NaN weights were written to final/."""
+    from accelerate import Accelerator
+
+    from verl_kit.models import load_causal_lm, load_tokenizer
+    from verl_kit.train import export_final
+
+    cfg = _cfg(tmp_path / "out")
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(load_causal_lm(tiny_model_path))
+    resume(accelerator, cfg, {})
+    _save(accelerator, cfg, 3)
+    tokenizer = load_tokenizer(tiny_model_path)
+    assert export_final(accelerator, model, tokenizer, cfg.output_dir, 3) == f"{cfg.output_dir}/final"
+    before = (tmp_path / "out" / "final" / "model.safetensors").read_bytes()
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("inf")
+    with pytest.raises(UserError) as e:
+        export_final(accelerator, model, tokenizer, cfg.output_dir, 4)
+    assert str(e.value) == (f"final/ not written: the trainable weights hold NaN or inf after step 4; the last "
+                            f"checkpoint is {cfg.output_dir}/checkpoint-3 (docs/long-runs.md, Bad values)")
+    assert (tmp_path / "out" / "final" / "model.safetensors").read_bytes() == before
+    assert sorted(os.listdir(cfg.output_dir)) == ["checkpoint-3", "final"]
+
+
 # ---- 3. a checkpoint belongs to its run ----------------------------------------------------------------------------
 
 def test_output_dir_belongs_to_its_run(tmp_path):

@@ -14,9 +14,11 @@ from verl_kit.train.actor_critic import (
 from verl_kit.train.checkpoint import (
     MODEL_FLAGS,
     check_run,
+    export_final,
     load_checkpoint,
     model_flags,
     nonfinite_weights,
+    refuse_nonfinite,
     resolve_resume,
     resume,
     run_changes,

@@ -35,6 +35,7 @@ from verl_kit.data.datasets import split_fingerprint
 from verl_kit.durable import fsync_tree, replace_dir, write_failure
 from verl_kit.errors import UserError
 from verl_kit.models import fsdp2
+from verl_kit.models.loading import export_hf
 from verl_kit.train.distributed import reduce_metrics, sharding
 from verl_kit.train.output_dir import STATE_FILE, clear, list_checkpoints, set_aside, sweep
 from verl_kit.train.preemption import STOP
@@ -105,6 +106,25 @@ def nonfinite_weights(accelerator) -> int:
     return sum(int(torch.stack(flags).sum()) for flags in by_device.values())
 
 
+def refuse_nonfinite(accelerator, output_dir: str, step: int, what: str) -> None:
+    """Refuse, on every rank together, to write `what` from trainable weights that hold NaN or inf: one line naming
+    the step and the last checkpoint, which stays the latest."""
+    if reduce_metrics({}, {"nonfinite": float(nonfinite_weights(accelerator))})["nonfinite"]:
+        last = list_checkpoints(output_dir)
+        raise UserError(f"{what} not written: the trainable weights hold NaN or inf after step {step}; the last "
+                        f"checkpoint is {last[-1][1] if last else 'none'} (docs/long-runs.md, Bad values)")
+
+
+def export_final(accelerator, model, tokenizer, output_dir: str, step: int) -> str:
+    """The run's trained model in HF format, `<output_dir>/final` (models.export_hf: atomic, an earlier final/ kept
+    until the new one is whole), written only when every rank found its trainable weights finite after `step`
+    (refuse_nonfinite): nothing non-finite is published. Returns its path."""
+    refuse_nonfinite(accelerator, output_dir, step, "final/")
+    path = os.path.join(output_dir, "final")
+    export_hf(accelerator, model, tokenizer, path)
+    return path
+
+
 def _agree(failure: str, what: str, output_dir: str, tmp: str, is_main: bool) -> None:
     """Every rank stops together, in one line, when writing `what` failed on any (`failure`: this rank's reason, ''
     if none): the temporary `tmp` is removed, the checkpoints already on disk are left as they are."""
@@ -138,10 +158,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: d
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
     me = _current()
-    if reduce_metrics({}, {"nonfinite": float(nonfinite_weights(accelerator))})["nonfinite"]:
-        last = list_checkpoints(output_dir)
-        raise UserError(f"checkpoint-{step} not written: the trainable weights hold NaN or inf after step {step}; "
-                        f"the last checkpoint is {last[-1][1] if last else 'none'} (docs/long-runs.md, Bad values)")
+    refuse_nonfinite(accelerator, output_dir, step, f"checkpoint-{step}")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
