@@ -305,12 +305,17 @@ class EnvironmentConfig(Config):
     agent_timeout_s: float = field(default=600.0, metadata={
         "help": "--agent: seconds an episode may run; one that raises, times out or returns no number ends as a "
                 "counted failure (episode/env_errors), the run goes on"})
+    max_failed_steps: int = field(default=3, metadata={
+        "help": "steps in a row whose every episode failed (an agent or environment raised, timed out: "
+                "episode/env_errors) after which the run stops with one line naming the most common failure, "
+                "instead of training on nothing; 0: never stop"})
 
     def __post_init__(self):
         super().__post_init__()
         if self.agent and (self.environment_factory or self.tools):
             raise UserError("--agent runs its own tools: give it alone, without --environment_factory or --tools")
         self.at_least(1, "agent_max_concurrency")
+        self.at_least(0, "max_failed_steps")
         if self.agent_timeout_s <= 0:
             raise UserError(f"--agent_timeout_s {self.agent_timeout_s}: use > 0")
 

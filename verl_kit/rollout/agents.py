@@ -378,7 +378,7 @@ class AgentEpisodes:
                 for s in ep.samples or [Sample(ep.prompt, truncated=ep.truncated)]]
         infos = [episode_info(ep.calls, ep.tool_calls, ep.messages or ep.row.get("prompt"),
                               env_errors=int(ep.failure is not None), reward_error=ep.failure, env_class=self.name,
-                              reward_source="agent") for _, ep, _ in rows]
+                              reward_source="agent", failure=ep.failure) for _, ep, _ in rows]
         return rollout_of_samples([s for *_, s in rows], self.tokenizer.pad_token_id, [ep.reward for _, ep, _ in rows],
                                   infos, episode=[e for e, *_ in rows])
 

@@ -69,6 +69,7 @@ class _Episode(Sample):
     row_no: int = 0  # in errors and warnings
     env_errors: int = 0  # respond or get_reward raised
     reward_error: str | None = None  # why get_reward gave no reward
+    failure: str | None = None  # the first environment error of the episode, in one line
 
 
 def _call(fn, *args):
@@ -182,6 +183,7 @@ class Episodes:
         """Count an environment method that raised (episode/env_errors) and warn once per run."""
         ep.env_errors += 1
         what = f"{type(ep.env).__name__}.{method} raised {type(e).__name__}: {e}"
+        ep.failure = ep.failure or what.splitlines()[0]
         if not self._warned:
             self._warned = True
             logger.warning("%s (dataset row %d); the episode ends there, the run goes on: such episodes are counted in "
@@ -269,7 +271,8 @@ class Episodes:
     def to_rollout(self, eps: list[_Episode]) -> Rollout:
         rewards = [self._reward(e) for e in eps]  # first: a get_reward that raises counts in env_errors
         infos = [episode_info(e.turns, e.tool_calls, e.messages, e.tool_failures, e.environment, e.env_errors,
-                              e.reward_error, type(e.env).__name__ if e.env is not None else None) for e in eps]
+                              e.reward_error, type(e.env).__name__ if e.env is not None else None,
+                              failure=e.failure) for e in eps]
         return rollout_of_samples(eps, self.tokenizer.pad_token_id, rewards, infos)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -36,6 +37,7 @@ import torch
 
 from verl_kit.algos.sampling import group_rows, informative_groups, select_groups
 from verl_kit.config import EnvironmentConfig, RolloutConfig, TrainConfig, VLLMConfig
+from verl_kit.errors import UserError
 from verl_kit.rollout.agents import make_agent_episodes
 from verl_kit.rollout.backends import make_backend, start_server
 from verl_kit.rollout.episodes import SingleTurn, make_episodes
@@ -54,18 +56,20 @@ class Rollouts:
     `max_staleness`: None for synchronous rollouts, else how many steps ahead batches are generated. `runner`: the
     rollout.types.EpisodeRunner that plays the episodes over its `engine` (a RolloutBackend, synced by load_weights);
     `server`: a vLLM server the run started, stopped by close(); `eval_params`: the held-out evaluation's sampling;
-    `pass_threshold`: the score a held-out response passes at."""
+    `pass_threshold`: the score a held-out response passes at; `max_failed_steps`: steps in a row whose every
+    episode failed (on every process) after which get() stops the run in one line (0: never)."""
 
     def __init__(self, runner: EpisodeRunner, split: Prompts,
                  request: Callable[[int, int], tuple[list[int], SamplingParams]], total_steps: int,
                  max_staleness: int | None = None, timeout_s: float = 1800, server: ServerProcess | None = None,
-                 eval_params: SamplingParams | None = None, pass_threshold: float = 1.0):
+                 eval_params: SamplingParams | None = None, pass_threshold: float = 1.0, max_failed_steps: int = 0):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness {max_staleness}: use >= 0")
         self.runner, self.engine = runner, runner.engine
         self.split, self.request, self.total_steps = split, request, total_steps
         self.server, self.eval_params, self.pass_threshold = server, eval_params, pass_threshold
         self.ahead, self.timeout_s = max_staleness, timeout_s
+        self.max_failed_steps, self.failed_steps = max_failed_steps, 0
         self.version = 0  # of the weights the engine has
         self.batches: dict[int, tuple[Future, int]] = {}  # step -> (its rollout, the version that generates it)
         self._jobs: queue.Queue = queue.Queue()
@@ -117,7 +121,23 @@ class Rollouts:
         for s in range(step, step + (self.ahead or 0) + 1):
             self._submit(s)
         future, version = self.batches.pop(step)
-        return self._wait(future, f"the rollout of step {step}"), step - version
+        ro = self._wait(future, f"the rollout of step {step}")
+        self._stop_if_failing(ro, step)
+        return ro, step - version
+
+    def _stop_if_failing(self, ro: Rollout, step: int) -> None:
+        """Count the steps in a row whose every episode failed on every process (collective); at max_failed_steps
+        stop the run in one line naming this process's most common failure, rather than train on nothing."""
+        if not self.max_failed_steps or ro.episodes is None:
+            return
+        episodes = [ro.episodes[i] for i in ro.first_rows()]
+        failed = all(e.get("env_errors") for e in episodes)
+        self.failed_steps = self.failed_steps + 1 if -all_reduce_max(-float(failed)) else 0
+        if self.failed_steps >= self.max_failed_steps:
+            why, n = Counter(e.get("failure") or "an environment method raised" for e in episodes).most_common(1)[0]
+            raise UserError(f"every episode of {self.failed_steps} steps in a row failed (steps "
+                            f"{step - self.failed_steps + 2}-{step + 1}), nothing to learn from; the most common "
+                            f"failure ({n} of {len(episodes)} on this process): {why} (--max_failed_steps)")
 
     def more(self, step: int, k: int) -> Rollout:
         """The k-th further batch of `step` (k >= 1; --dynamic_sampling), generated now with the engine's weights
@@ -246,4 +266,5 @@ def make_rollouts(cfg: RolloutConfig, vllm_cfg: VLLMConfig, env_cfg: Environment
 
     return Rollouts(runner, split, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
                     cfg.rollout_timeout_s, server=server, pass_threshold=cfg.pass_threshold,
-                    eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)))
+                    eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)),
+                    max_failed_steps=env_cfg.max_failed_steps if env_cfg is not None else 0)

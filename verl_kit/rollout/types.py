@@ -261,14 +261,15 @@ class Sample:
 
 def episode_info(turns: int, tool_calls: int, messages, tool_failures: int = 0, environment: str | None = None,
                  env_errors: int = 0, reward_error: str | None = None, env_class: str | None = None,
-                 reward_source: str = "environment") -> dict:
+                 reward_source: str = "environment", failure: str | None = None) -> dict:
     """What a row of a multi-turn episode records beside its tokens (Rollout.episodes; env_tokens is added by
     rollout_of_samples): assistant turns (an agent's calls), tool calls and failed ones, the conversation for
     samples.jsonl, the environment's name in the multi-environment form and its class, env_errors (an environment
-    method or the agent raised), reward_error (why get_reward gave no number) and the reward source's name."""
+    method or the agent raised), reward_error (why get_reward gave no number), the reward source's name and
+    `failure`, the first error that ended the episode in one line (None when none did)."""
     return {"turns": turns, "tool_calls": tool_calls, "tool_failures": tool_failures, "messages": messages,
             "environment": environment, "env_errors": env_errors, "reward_error": reward_error,
-            "env_class": env_class, "reward_source": reward_source}
+            "env_class": env_class, "reward_source": reward_source, "failure": failure}
 
 
 def rollout_of_samples(samples: list[Sample], pad_id: int, env_reward: list[float] | None = None,
