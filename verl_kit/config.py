@@ -305,6 +305,10 @@ class EnvironmentConfig(Config):
     agent_timeout_s: float = field(default=600.0, metadata={
         "help": "--agent: seconds an episode may run; one that raises, times out or returns no number ends as a "
                 "counted failure (episode/env_errors), the run goes on"})
+    env_timeout_s: float | None = field(default=120.0, metadata={
+        "help": "seconds each call of an environment's reset, respond or get_reward may take (interrupted on the "
+                "main thread); past it the episode ends as a counted failure (episode/env_errors) and the run goes "
+                "on; a tool call has --tool_timeout_s"})
     max_failed_steps: int = field(default=3, metadata={
         "help": "steps in a row whose every episode failed (an agent or environment raised, timed out: "
                 "episode/env_errors) after which the run stops with one line naming the most common failure, "
@@ -316,6 +320,8 @@ class EnvironmentConfig(Config):
             raise UserError("--agent runs its own tools: give it alone, without --environment_factory or --tools")
         self.at_least(1, "agent_max_concurrency")
         self.at_least(0, "max_failed_steps")
+        if self.env_timeout_s is not None and self.env_timeout_s <= 0:
+            raise UserError(f"--env_timeout_s {self.env_timeout_s}: use > 0")
         if self.agent_timeout_s <= 0:
             raise UserError(f"--agent_timeout_s {self.agent_timeout_s}: use > 0")
 

@@ -1,6 +1,7 @@
-"""Timeouts that hold (verl_kit.deadline): a reward or tool call past its timeout leaves nothing running. On the main
-thread (where the recipes score and, with synchronous rollouts, run episodes) the call is interrupted where it is; a
-reward function that blocks forever, an `async def` one that blocks its event loop, and 3,000 tool calls that hang each
+"""Timeouts that hold (verl_kit.deadline): a reward, tool or environment call past its timeout leaves nothing
+running. On the main thread (where the recipes score and, with synchronous rollouts, run episodes) the call is
+interrupted where it is; a reward function that blocks forever, an `async def` one that blocks its event loop, an
+environment whose reset, respond or get_reward hangs, and 3,000 tool calls that hang each
 cost their timeout and leave no thread behind, and math_answer stays on the main thread with its own SIGALRM limits.
 Off the main thread (--async_rollout's rollout thread) a hanging call is abandoned on its thread, at most
 MAX_ABANDONED at a time: the next one stops the run in one line."""
@@ -148,3 +149,58 @@ def test_async_reward_without_blocking_still_times_out_per_call():
     limits = CallLimits(timeout_s=0.2, fallback=0.0)
     assert call_reward_fn("slow", slow, PROMPTS, COMPLETIONS, limits=limits).tolist() == [0.5, 0.0, 0.5]
     assert limits.timeouts == 1
+
+
+class Hangs:
+    """An environment whose `hang` method (reset, respond or get_reward, from the dataset row) blocks forever."""
+
+    def reset(self, hang=None, **row):
+        self.hang = hang
+        if hang == "reset":
+            threading.Event().wait()
+
+    def respond(self, text):
+        if self.hang == "respond":
+            threading.Event().wait()
+        return None
+
+    def get_reward(self):
+        if self.hang == "get_reward":
+            threading.Event().wait()
+        return 1.0
+
+
+def test_environment_calls_that_hang_end_their_episode(tokenizer, caplog):
+    """--env_timeout_s 0.3 (issue 55, item 1): an environment whose reset, respond or get_reward never returns costs
+    its episode, not the run: each ends at ~0.3 s as a counted failure (episode/env_errors, its score the fallback, a
+    warning line per method), the episode beside it scores 1, no thread is left running, and the held-out evaluation
+    counts them (eval/episode/env_errors). On main 64ad734 each of them hung the step for good."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from helpers import Scripted
+
+    from verl_kit.rewards import Rewards
+    from verl_kit.rollout import Episodes, Prompts, SamplingParams, Scores, evaluate
+
+    rows = [{"prompt": "Say hi.", "hang": h} for h in ("reset", "respond", "get_reward", None)]
+    eps = Episodes(Scripted(tokenizer, ["hi"] * 2), tokenizer, "tiny-llama", env_factory=Hangs,
+                   max_prompt_length=64, env_timeout_s=0.3)
+    threads, t0 = threading.active_count(), time.monotonic()
+    with caplog.at_level("WARNING"):
+        ro = eps.run(rows, [1, 2, 3, 4], SamplingParams())
+    assert time.monotonic() - t0 < 5 and threading.active_count() == threads
+    assert [e["env_errors"] for e in ro.episodes] == [1, 1, 1, 0]
+    assert [e["failure"] for e in ro.episodes][:3] == [f"Hangs.{m} did not return within 0.3 s (--env_timeout_s)"
+                                                       for m in ("reset", "respond", "get_reward")]
+    assert ro.response_mask[0].sum() == 0 and ro.response_mask[1:].sum(-1).gt(0).all()  # reset's: no turn played
+    rewards = Rewards("none", None, None, tokenizer=tokenizer, env_reward=True, limits=CallLimits(fallback=-1.0))
+    scored = rewards.of_rollout(replace(ro, rows=rows))
+    assert scored.total.tolist() == [-1.0, 1.0, -1.0, 1.0]  # respond's episode still asks get_reward
+    assert sum("did not return within 0.3 s" in r.message for r in caplog.records) == 3
+    eps.engine.texts += ["hi"] * 2
+    split = Prompts(rows, [[0]] * 4)
+    held_out = evaluate(SimpleNamespace(num_processes=1, process_index=0, is_main_process=False),
+                        lambda idx, params: eps.generate(split, idx, params, "the held-out split"), split,
+                        SamplingParams(), lambda ro: Scores(ro.env_reward.nan_to_num()), 4)
+    assert held_out["eval/episode/env_errors"] == 0.75

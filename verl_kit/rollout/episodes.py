@@ -16,9 +16,10 @@ it, or an environment message that would not fit, ends the episode truncated. `-
 the rounds of tool calls. The Rollout's response_mask covers only sampled tokens, env_mask the inserted ones.
 
 Nothing the model writes stops the run: a tool call that does not parse, names no tool, raises or times out is an
-error result the model sees (tools/failure_frequency); `respond` or `get_reward` raising ends the episode, counted
-in episode/env_errors (get_reward's score is then --reward_fallback, or 0: Rewards.environment). Only `reset`, which
-sees the dataset row and not the model, stops the run in one line.
+error result the model sees (tools/failure_frequency); `respond` or `get_reward` raising, or `reset`, `respond` or
+`get_reward` past --env_timeout_s, ends the episode, counted in episode/env_errors (get_reward's score is then
+--reward_fallback, or 0: Rewards.environment). Only `reset` raising, which sees the dataset row and not the model,
+stops the run in one line.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import math
 from dataclasses import dataclass, field
 
 from verl_kit.config import EnvironmentConfig, load_object
+from verl_kit.deadline import DeadlineExceeded, call_with_deadline
 from verl_kit.errors import UserError
 from verl_kit.rollout.chat import ChatRenderer, check_prefix_property
 from verl_kit.rollout.tools import (
@@ -100,15 +102,16 @@ class Episodes:
 
     def __init__(self, engine: RolloutBackend, tokenizer, model_name: str, env_factory=None, tools=(),
                  max_tool_calling_iterations: int | None = None, tool_timeout_s: float | None = None,
-                 max_prompt_length: int = 512, max_completion_length: int = 64):
+                 max_prompt_length: int = 512, max_completion_length: int = 64, env_timeout_s: float | None = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.multi_env = isinstance(env_factory, dict)
         self.env_factories = env_factory if self.multi_env else {None: env_factory} if env_factory else {}
         self.tools = {t.__name__: t for t in tools}
         self.max_iterations, self.tool_timeout_s = max_tool_calling_iterations, tool_timeout_s
+        self.env_timeout_s = env_timeout_s
         self.max_prompt_length, self.max_completion_length = max_prompt_length, max_completion_length
         self.chat = ChatRenderer(tokenizer, model_name)
-        self._warned = False  # an environment method raised (warned once)
+        self._warned: set[tuple[str, str]] = set()  # (class, method) of the environment errors warned about
         probes = [factory() for factory in self.env_factories.values()]
         self.has_tools = bool(self.tools) or any(environment_tools(probe) for probe in probes)
         for probe in probes:
@@ -138,9 +141,12 @@ class Episodes:
         env, reset_row = self._environment(row, row_no, source)
         prompt = row.get("prompt")
         messages = copy.deepcopy(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        observation = hung = None
         if env is not None:
             try:
-                observation = _call(lambda: env.reset(**reset_row))
+                observation = self._env_call(env, "reset", **reset_row)
+            except DeadlineExceeded as e:  # a hang: that episode fails, the run goes on
+                hung = e
             except Exception as e:  # noqa: BLE001 - the user's environment: one line naming it and the row
                 raise UserError(f"{type(env).__name__}.reset failed on {source} row {row_no}: "
                                 f"{type(e).__name__}: {e}") from None
@@ -153,8 +159,18 @@ class Episodes:
         if len(ids) > self.max_prompt_length:
             raise UserError(f"{source} row {row_no}: the prompt with its tool descriptions is {len(ids)} tokens, over "
                             f"--max_prompt_length {self.max_prompt_length} (cutting it would lose the tools)")
-        return _Episode(ids, env=env, tools=tools, messages=shown,
-                        environment=row.get("environment") if self.multi_env else None, row_no=row_no)
+        ep = _Episode(ids, env=env, tools=tools, messages=shown,
+                      environment=row.get("environment") if self.multi_env else None, row_no=row_no)
+        if hung is not None:  # no turn is played and get_reward is not asked: scored --reward_fallback, or 0
+            ep.done, ep.reward_error = True, self._env_error(ep, "reset", hung)
+        return ep
+
+    def _env_call(self, env, method: str, *args, **kwargs):
+        """env.<method>(...) (run to completion when async), cut at --env_timeout_s (verl_kit.deadline: interrupted
+        on the main thread, abandoned on another): DeadlineExceeded past it."""
+        fn = getattr(env, method)
+        return call_with_deadline(lambda: _call(lambda: fn(*args, **kwargs)), self.env_timeout_s,
+                                  f"{type(env).__name__}.{method}")
 
     def react(self, ep: _Episode, text: str) -> list[dict] | None:
         """The environment's answer to an assistant turn: tool results, a reply, or None (the episode ends)."""
@@ -172,7 +188,7 @@ class Episodes:
             return out
         if ep.env is not None and callable(getattr(ep.env, "respond", None)):
             try:
-                reply = _call(ep.env.respond, text)
+                reply = self._env_call(ep.env, "respond", text)
                 return None if reply is None else [self.chat.env_message("user", str(reply))]
             except (Exception, SystemExit) as e:  # noqa: BLE001 - the environment failed on the model's text
                 self._env_error(ep, "respond", e)
@@ -182,22 +198,26 @@ class Episodes:
     def _env_error(self, ep: _Episode, method: str, e: BaseException) -> str:
         """Count an environment method that raised (episode/env_errors) and warn once per run."""
         ep.env_errors += 1
-        what = f"{type(ep.env).__name__}.{method} raised {type(e).__name__}: {e}"
+        name = type(ep.env).__name__
+        what = (f"{name}.{method} did not return within {self.env_timeout_s:g} s (--env_timeout_s)"
+                if isinstance(e, DeadlineExceeded) else f"{name}.{method} raised {type(e).__name__}: {e}")
         ep.failure = ep.failure or what.splitlines()[0]
-        if not self._warned:
-            self._warned = True
+        if (name, method) not in self._warned:
+            self._warned.add((name, method))
             logger.warning("%s (dataset row %d); the episode ends there, the run goes on: such episodes are counted in "
-                           "episode/env_errors (warned once)", what.splitlines()[0], ep.row_no)
+                           "episode/env_errors (warned once for %s.%s)", what.splitlines()[0], ep.row_no, name, method)
         return what
 
     def _reward(self, ep: _Episode) -> float:
         """The episode's get_reward() (0 without one, or None); NaN where it raised or returned no number, with
         ep.reward_error set: Rewards.environment scores those (--reward_fallback, else 0)."""
+        if ep.reward_error is not None:  # its reset hung
+            return math.nan
         get_reward = getattr(ep.env, "get_reward", None) if ep.env is not None else None
         if not callable(get_reward):
             return 0.0
         try:
-            value = _call(get_reward)
+            value = self._env_call(ep.env, "get_reward")
             return 0.0 if value is None else float(value)
         except (Exception, SystemExit) as e:  # noqa: BLE001 - counted, never the run
             ep.reward_error = self._env_error(ep, "get_reward", e)
@@ -239,7 +259,7 @@ class Episodes:
     def _play(self, eps: list[_Episode], params: SamplingParams) -> None:
         """The turns of `eps` until every episode is done: generate for the active ones, read each turn, insert the
         environment's answer."""
-        turn, active = 0, eps
+        turn, active = 0, [e for e in eps if not e.done]
         while active:
             budget = [self.max_completion_length - len(e.ids) for e in active]
             seed = None if params.seed is None else params.seed + turn * len(eps)
@@ -296,4 +316,4 @@ def make_episodes(cfg: EnvironmentConfig, engine: RolloutBackend, tokenizer, mod
             factory = load_object("environment_factory", cfg.environment_factory)
     tools = [load_object("tools", s) for s in (cfg.tools or "").split(",") if s.strip()]
     return Episodes(engine, tokenizer, model_name, factory, tools, cfg.max_tool_calling_iterations,
-                    cfg.tool_timeout_s, max_prompt_length, max_completion_length)
+                    cfg.tool_timeout_s, max_prompt_length, max_completion_length, cfg.env_timeout_s)

@@ -83,7 +83,8 @@ def evaluate(accelerator, generate: Callable[[list[int], SamplingParams], Rollou
     `params.seed`, every response gets its own seed (the seed plus its prompt's position). With `params.n` > 1
     responses per prompt, also eval/pass@k for k = 1, 2, 4, ... <= n: the mean over prompts of the unbiased pass@k
     (algos.pass_at_k), a response passing when its score is >= `pass_threshold`. Multi-turn episodes add
-    eval/tools/call_frequency and eval/tools/failure_frequency (as the training metrics), and the multi-environment
+    eval/tools/call_frequency, eval/tools/failure_frequency and eval/episode/env_errors (environment errors per
+    episode), as the training metrics, and the multi-environment
     form eval/env/<name>/reward_mean for each of `environments`. `extra(rollout) ->
     {name: (B,)}` (optional): more per-response values, each reported as its mean over the responses, eval/<name>."""
     world, rank, n = accelerator.num_processes, accelerator.process_index, len(split.ids)
@@ -104,10 +105,11 @@ def evaluate(accelerator, generate: Callable[[list[int], SamplingParams], Rollou
                       tokens=ro.response_mask.view(len(idx), params.n, -1)[real],
                       **{f"extra/rewards/{k}/mean": v.view(len(idx), params.n)[real]
                          for k, v in scored.sources.items()})
-            if ro.episodes is not None:  # multi-turn: tool calls (and failed ones) per episode
-                calls = torch.tensor([[e["tool_calls"], e["tool_failures"]] for e in ro.episodes], dtype=torch.float64)
-                calls = calls.view(len(idx), params.n, 2)[real]
-                tally.add(tool_calls=calls[..., 0], tool_failures=calls[..., 1])
+            if ro.episodes is not None:  # multi-turn: tool calls (and failed ones), failed episodes
+                calls = torch.tensor([[e["tool_calls"], e["tool_failures"], e.get("env_errors", 0)]
+                                      for e in ro.episodes], dtype=torch.float64)
+                calls = calls.view(len(idx), params.n, 3)[real]
+                tally.add(tool_calls=calls[..., 0], tool_failures=calls[..., 1], env_errors=calls[..., 2])
             for name in environments:  # the multi-environment form: each environment's own held-out reward
                 member = torch.tensor([e["environment"] == name for e in ro.episodes]).view(len(idx), params.n)
                 member &= real[:, None]
@@ -121,8 +123,8 @@ def evaluate(accelerator, generate: Callable[[list[int], SamplingParams], Rollou
     return {"eval/reward_mean": t["score"] / t["responses"], "eval/response_length": t["tokens"] / t["responses"],
             **{f"eval/pass@{k}": t[f"pass@{k}"] / t["prompts"] for k in ks},
             **({"eval/tools/call_frequency": t["tool_calls"] / t["responses"],
-                "eval/tools/failure_frequency": t["tool_failures"] / max(t["tool_calls"], 1)}
-               if "tool_calls" in t else {}),
+                "eval/tools/failure_frequency": t["tool_failures"] / max(t["tool_calls"], 1),
+                "eval/episode/env_errors": t["env_errors"] / t["responses"]} if "tool_calls" in t else {}),
             **{f"eval/env/{name}/reward_mean": t[f"env/{name}/score"] / max(t[f"env/{name}/n"], 1)
                for name in environments},
             **{f"eval/{k[len('extra/'):]}": v / t["responses"] for k, v in t.items() if k.startswith("extra/")}}

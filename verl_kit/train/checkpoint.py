@@ -52,7 +52,7 @@ MODEL_FLAGS = ("model_name_or_path", "use_peft", "lora_r", "lora_target_modules"
 FREE_FLAGS = frozenset({
     "output_dir", "resume_from_checkpoint", "resume_ignore_changes", "max_steps", "num_train_epochs", "logging_steps",
     "eval_steps", "save_steps", "save_interval_minutes", "save_total_limit", "overwrite_output_dir", "report_to",
-    "run_name", "collective_timeout_s", "max_failed_steps",
+    "run_name", "collective_timeout_s", "max_failed_steps", "env_timeout_s",
     "per_device_eval_batch_size", "dataset_test_split", "gradient_checkpointing", "attn_implementation", "packing",
     "packing_length", "max_tokens_per_microbatch", "num_generations_eval", "pass_threshold", "rollout_timeout_s",
     "reward_timeout_s", "reward_max_concurrency", "vllm_server_url", "vllm_gpu_memory_utilization",
