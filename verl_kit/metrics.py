@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from verl_kit.durable import write_text
+from verl_kit.durable import write_failure, write_text
 from verl_kit.errors import UserError
 
 logger = logging.getLogger("verl_kit")
@@ -225,10 +225,19 @@ class MetricsLogger:
 
 
 def _append(path: str, lines: list[str]) -> None:
-    with open(path, "a") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
+    """Append and sync; a write the device refuses (no space, quota, read-only) stops the run in one line (a torn
+    last line is dropped on resume: MetricsLogger), any other error raises on."""
+    try:
+        with open(path, "a") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as e:
+        reason = write_failure(e, os.path.dirname(os.path.abspath(path)))
+        if reason is None:
+            raise
+        raise UserError(f"{path}: appending failed ({reason}); the run stops and the checkpoints on disk are intact: "
+                        "free space, then continue with --resume_from_checkpoint auto") from None
 
 
 def _short(x, n: int = 80) -> str:

@@ -508,3 +508,15 @@ def test_torn_metrics_line_is_dropped_and_the_rewrite_is_atomic(tmp_path, monkey
         MetricsLogger(_Main(), str(tmp_path), total_steps=10, start_step=1)
     monkeypatch.undo()
     assert (tmp_path / "metrics.jsonl").read_text() == text
+
+    # a full disk while a row is appended (issue 55, item 3): one line, the file as it was (on main 64ad734 a
+    # traceback)
+    log = MetricsLogger(_Main(), str(tmp_path), total_steps=10, start_step=4)
+    kept = (tmp_path / "metrics.jsonl").read_text()
+    monkeypatch.setattr(builtins, "open", lambda path, mode="r", *a, **k: (
+        Full(real_open(path, mode, *a, **k)) if "a" in mode else real_open(path, mode, *a, **k)))
+    with pytest.raises(UserError, match=r"metrics\.jsonl: appending failed \(No space left on device\); the run stops "
+                                        r"and the checkpoints on disk are intact"):
+        log.log(5, {"loss": 0.5})
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text() == kept
