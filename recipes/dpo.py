@@ -1,15 +1,17 @@
 """DPO: Direct Preference Optimization (Rafailov et al. 2023) and its variants under TRL's `--loss_type` names (IPO,
-hinge, robust, EXO, NCA, BCO, SPPO, APO, DiscoPOP, RPO's NLL term, weighted mixes, f-DPO's divergences) on DeepSpeed
-ZeRO-3, with sequence packing.
+hinge, robust, EXO, NCA, BCO, SPPO, APO, DiscoPOP, RPO's NLL term, weighted mixes, f-DPO's divergences), and the
+reference-free SimPO and ORPO, on DeepSpeed ZeRO-3, with sequence packing.
 
     python recipes/dpo.py                                   # one process, embedded tiny model and task
     python recipes/dpo.py --config recipes/configs/dpo_tiny.yaml --learning_rate 1e-3
+    python recipes/dpo.py --loss_type simpo --beta 2.0 --simpo_gamma 0.5 --cpo_alpha 0   # no reference at all
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/dpo.py
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 2 recipes/dpo.py   # or PyTorch FSDP2
     make cluster-run RECIPE=recipes/dpo.py CONFIG=recipes/configs/dpo_tiny.yaml NODES=2
 
 The reference model is the initial policy: its log-probs are computed once, before the first update (and again on
-resume, before the checkpoint is loaded), so no second model sits in memory beside the ZeRO-3 policy.
+resume, before the checkpoint is loaded), so no second model sits in memory beside the ZeRO-3 policy; with only
+reference-free loss types (algos.REFERENCE_FREE_LOSS_TYPES: simpo, orpo, sft) it is not scored at all.
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
@@ -48,6 +50,11 @@ class DPOConfig(config.Config):
                 f"{', '.join(algos.F_DIVERGENCE_LOSS_TYPES)}"})
     f_alpha_divergence_coef: float = field(default=0.5, metadata={
         "help": "alpha of --f_divergence_type alpha_divergence (1: reverse_kl)"})
+    simpo_gamma: float = field(default=0.5, metadata={
+        "help": "SimPO's target reward margin gamma (--loss_type simpo; TRL's CPOConfig.simpo_gamma)"})
+    cpo_alpha: float = field(default=1.0, metadata={
+        "help": "--loss_type simpo: weight of CPO's NLL term on the chosen completion (TRL's CPOConfig.cpo_alpha and "
+                "its default; 0 is the SimPO paper's loss)"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -74,7 +81,8 @@ def pair_loss(pol, ref, lengths, terms, cfg: DPOConfig):
     lengths, all (B, 2) as (chosen, rejected): the (loss type, weight) `terms` of cfg.losses(), weighted."""
     return sum(w * algos.dpo_loss(pol[:, 0], pol[:, 1], ref[:, 0], ref[:, 1], cfg.beta, loss_type, cfg.label_smoothing,
                                   lengths[:, 0], lengths[:, 1], cfg.discopop_tau, cfg.f_divergence_type,
-                                  cfg.f_alpha_divergence_coef) for loss_type, w in terms)
+                                  cfg.f_alpha_divergence_coef, cfg.simpo_gamma, cfg.cpo_alpha)
+               for loss_type, w in terms)
 
 
 @main_guard
@@ -104,11 +112,14 @@ def main():
 
     # ---- reference log-probs: the initial policy, scored before any update, for the pairs the run will read -------
     # (the pairs of every step from 0, also on resume: scored in the same batches, they are bit-identical)
+    # reference-free losses (SimPO, ORPO) read none: zeros, so the implicit rewards logged are beta * log pi
     needed = train.steps_indices(len(pairs), range(total_steps), per_step, tc.seed)
-    ref_train = train.score_subset(accelerator, policy.model, items(pairs), needed, tc, pad, block_mask,
-                                   "reference train")
-    ref_test = (train.score_items(accelerator, policy.model, items(test), tc, pad, block_mask, "reference test")
-                if test else None)
+    free = all(t in algos.REFERENCE_FREE_LOSS_TYPES for t, _ in terms)
+    ref_train = torch.zeros(len(pairs), 2) if free else train.score_subset(
+        accelerator, policy.model, items(pairs), needed, tc, pad, block_mask, "reference train")
+    ref_test = torch.zeros(len(test), 2) if free else (
+        train.score_items(accelerator, policy.model, items(test), tc, pad, block_mask, "reference test") if test
+        else None)
 
     start = train.resume(accelerator, tc, flags)  # 0 unless --resume_from_checkpoint
     log = MetricsLogger(accelerator, tc.output_dir, total_steps, start, flags, tc.run_name)

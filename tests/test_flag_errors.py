@@ -19,7 +19,7 @@ CASES = [
      "--loss_weights 1: 1 weight(s) for 2 loss type(s) (sigmoid,sft)"),
     ("dpo.py", ["--loss_weights", "one"], "--loss_weights 'one': expected comma-separated numbers"),
     ("dpo.py", ["--loss_type", "hinge", "--label_smoothing", "0.1"],
-     "--label_smoothing 0.1: only sigmoid, robust and exo_pair use it, not hinge"),
+     "--label_smoothing 0.1: only sigmoid, robust, exo_pair and simpo use it, not hinge"),
     ("dpo.py", ["--loss_type", "robust", "--label_smoothing", "0.5"],
      "--label_smoothing 0.5: use [0, 1) (robust: [0, 0.5)"),
     ("dpo.py", ["--loss_type", "exo_pair"], "--label_smoothing 0.0: use [0, 1) (robust: [0, 0.5); exo_pair: (0, 1))"),

@@ -73,9 +73,46 @@ LC, LR = torch.tensor([4.0]), torch.tensor([5.0])  # completion lengths, for the
     ("sigmoid_norm", {"chosen_lengths": LC, "rejected_lengths": LR}, 0.675800),
     # the chosen completion's per-token NLL: 10 / 4
     ("sft", {"chosen_lengths": LC, "rejected_lengths": LR}, 2.5),
+    # SimPO, no reference: w = -10/4 = -2.5, l = -12/5 = -2.4, margin = beta (w - l) - gamma = -0.01 - 0.5 = -0.51;
+    # -log s(-0.51) = log(1 + e^0.51) = 0.980313, plus cpo_alpha (1, TRL's default) times the NLL -w = 2.5
+    ("simpo", {"chosen_lengths": LC, "rejected_lengths": LR}, 3.480313),
+    # the SimPO paper's loss (cpo_alpha 0) with label smoothing 0.1: 0.9 * 0.980313 + 0.1 * log(1 + e^-0.51)
+    # = 0.882282 + 0.1 * 0.470313
+    ("simpo", {"chosen_lengths": LC, "rejected_lengths": LR, "cpo_alpha": 0.0, "label_smoothing": 0.1}, 0.929313),
+    # ORPO: log odds(p) = p - log(1 - e^p): w -> -2.5 + 0.085650, l -> -2.4 + 0.095103, difference -0.109449;
+    # NLL 2.5 - beta log s(-0.109449) = 2.5 + 0.1 * 0.749369
+    ("orpo", {"chosen_lengths": LC, "rejected_lengths": LR}, 2.574937),
 ])
 def test_dpo_variant_hand_values(loss_type, kwargs, expected):
     assert dpo_loss(PC, PR, RC, RR, 0.1, loss_type, **kwargs).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_reference_free_losses_read_no_reference_and_match_trl():
+    """simpo and orpo do not read the reference log-probs, and equal TRL 1.16's own CPOTrainer.cpo_loss (loss_type
+    "simpo", plus cpo_alpha times its NLL) and ORPOTrainer.odds_ratio_loss (NLL minus its beta * log sigma(log odds))
+    on per-token averages, called on TRL's code itself; the NLL is per pair here, per batch token there: equal for
+    one pair."""
+    from types import SimpleNamespace
+
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    w, w_l = PC / LC, PR / LR
+    other = (torch.tensor([-3.0]), torch.tensor([7.0]))
+    for loss_type in ("simpo", "orpo"):
+        ours = [dpo_loss(PC, PR, *ref, 0.2, loss_type, 0.05 if loss_type == "simpo" else 0.0, LC, LR,
+                         simpo_gamma=0.7, cpo_alpha=0.3) for ref in ((RC, RR), other)]
+        assert torch.equal(ours[0], ours[1]), loss_type
+    device = SimpleNamespace(device="cpu")
+    cpo = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=0.7, beta=0.2, label_smoothing=0.05,
+                          accelerator=device)
+    trl_simpo = CPOTrainer.cpo_loss(cpo, w, w_l)[0] + 0.3 * -w
+    orpo = ORPOTrainer.odds_ratio_loss(SimpleNamespace(beta=0.2, accelerator=device), w, w_l)
+    trl_orpo = -w - orpo[0]
+    for loss_type, trl in (("simpo", trl_simpo), ("orpo", trl_orpo)):
+        ours = dpo_loss(PC, PR, RC, RR, 0.2, loss_type, 0.05 if loss_type == "simpo" else 0.0, LC, LR,
+                        simpo_gamma=0.7, cpo_alpha=0.3)
+        torch.testing.assert_close(ours, trl, rtol=0, atol=1e-6)
 
 
 def test_every_dpo_loss_type_has_a_hand_value():

@@ -34,6 +34,7 @@ from verl_kit.algos.preference import (
     DPO_LOSS_TYPES,
     F_DIVERGENCE_LOSS_TYPES,
     F_DIVERGENCES,
+    REFERENCE_FREE_LOSS_TYPES,
     bradley_terry_loss,
     dpo_loss,
     dpo_loss_terms,

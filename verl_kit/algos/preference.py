@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
-                  "apo_down", "discopop", "sigmoid_norm", "sft")
+                  "apo_down", "discopop", "sigmoid_norm", "sft", "simpo", "orpo")
+# the loss types that read no reference log-probs: a run of only these loads and scores no reference
+REFERENCE_FREE_LOSS_TYPES = ("sft", "simpo", "orpo")
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 # the loss types built on the chosen - rejected difference h, which an f-divergence's f'(pi/ref) may replace
 F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
@@ -51,8 +53,8 @@ def dpo_loss_terms(loss_type: str, loss_weights: str | None = None, label_smooth
         raise ValueError(f"loss_weights {loss_weights}: {len(weights)} weight(s) for {len(types)} loss type(s) "
                          f"({loss_type})")
     eps = label_smoothing
-    if eps and not {"sigmoid", "robust", "exo_pair"} & set(types):
-        raise ValueError(f"label_smoothing {eps}: only sigmoid, robust and exo_pair use it, not {loss_type}")
+    if eps and not {"sigmoid", "robust", "exo_pair", "simpo"} & set(types):
+        raise ValueError(f"label_smoothing {eps}: only sigmoid, robust, exo_pair and simpo use it, not {loss_type}")
     if not 0 <= eps < 1 or ("robust" in types and eps >= 0.5) or ("exo_pair" in types and eps <= 0):
         raise ValueError(f"label_smoothing {eps}: use [0, 1) (robust: [0, 0.5); exo_pair: (0, 1))")
     if discopop_tau <= 0:
@@ -69,7 +71,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
              ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
              chosen_lengths: torch.Tensor | None = None, rejected_lengths: torch.Tensor | None = None,
              discopop_tau: float = 0.05, f_divergence_type: str = "reverse_kl",
-             f_alpha_divergence_coef: float = 0.5) -> torch.Tensor:
+             f_alpha_divergence_coef: float = 0.5, simpo_gamma: float = 0.5, cpo_alpha: float = 1.0) -> torch.Tensor:
     """Per-pair loss of the DPO family, shape (B,), under TRL 1.16's `DPOConfig.loss_type` names and formulas.
 
     Inputs are log-probs summed over each completion's tokens, (B,); `chosen_lengths`/`rejected_lengths` (B,) are
@@ -98,6 +100,14 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     sft:          -log pi(y_w|x) / |y_w|, the chosen completion's per-token NLL (RPO, Pang et al. 2024, with
                   `sigmoid`); per pair, where TRL averages over all chosen tokens of its batch (equal when the
                   completions are equally long)
+    Reference-free (REFERENCE_FREE_LOSS_TYPES: the ref arguments are not read), on the policy's per-token averages
+    w = log pi(y_w|x) / |y_w| and l = log pi(y_l|x) / |y_l|:
+    simpo:        -(1-eps) log sigma(beta (w - l) - gamma) - eps log sigma(gamma - beta (w - l)) + cpo_alpha (-w),
+                  SimPO (Meng et al. 2024, eq. 6; gamma = simpo_gamma, the target margin) with CPO's NLL term (Xu et
+                  al. 2024) weighted by cpo_alpha: TRL 1.16's CPOTrainer loss_type "simpo" (its cpo_alpha default
+                  1.0; 0 is the SimPO paper's loss); its NLL per pair, as sft's
+    orpo:         -w - beta log sigma(log odds(w) - log odds(l)), odds(p) = e^p / (1 - e^p), ORPO (Hong et al. 2024,
+                  eqs. 4-7; TRL 1.16's ORPOTrainer with its beta, the paper's lambda); the NLL per pair, as sft's
 
     With another `f_divergence_type` (TRL's f-DPO), h and h' take f_divergence_score of c and of r in place of
     c and r; only the F_DIVERGENCE_LOSS_TYPES accept that.
@@ -108,7 +118,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
                          f"{', '.join(F_DIVERGENCE_LOSS_TYPES)}, not {loss_type}")
     score_c, score_r = (f_divergence_score(x, f_divergence_type, f_alpha_divergence_coef) for x in (c, r))
     h, eps = score_c - score_r, label_smoothing
-    if loss_type in ("ipo", "sigmoid_norm", "sft"):
+    if loss_type in ("ipo", "sigmoid_norm", "sft", "simpo", "orpo"):
         if chosen_lengths is None or rejected_lengths is None:
             raise ValueError(f"loss_type {loss_type}: pass chosen_lengths and rejected_lengths (per-token averages)")
         chosen_lengths, rejected_lengths = chosen_lengths.clamp(min=1), rejected_lengths.clamp(min=1)
@@ -142,7 +152,21 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
         return -F.logsigmoid(beta * h_avg)
     if loss_type == "sft":
         return -policy_chosen / chosen_lengths
+    if loss_type in ("simpo", "orpo"):  # the docstring's w and l
+        w, w_l = policy_chosen / chosen_lengths, policy_rejected / rejected_lengths
+    if loss_type == "simpo":
+        margin = beta * (w - w_l) - simpo_gamma
+        return -(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin) - cpo_alpha * w
+    if loss_type == "orpo":
+        log_odds = (w - w_l) - (_log1mexp(w) - _log1mexp(w_l))
+        return -w - beta * F.logsigmoid(log_odds)
     raise ValueError(f"--loss_type: unknown value {loss_type!r}; choose from: {', '.join(DPO_LOSS_TYPES)}")
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - e^x) for x <= 0, without cancellation: log1p(-e^x) below -log 2, log(-expm1(x)) above (Maechler 2012,
+    as TRL's)."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 def implicit_rewards(policy_logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) -> torch.Tensor:
