@@ -23,7 +23,7 @@ import torch
 
 from verl_kit import algos, config, data, models, train
 from verl_kit.errors import UserError, main_guard
-from verl_kit.metrics import MetricsLogger
+from verl_kit.metrics import MetricsLogger, pair_metrics, pair_sums
 
 
 @dataclass
@@ -153,16 +153,12 @@ def main():
             # Mean over the pairs of the global step. DDP and DeepSpeed average gradients over ranks, so the rank's
             # sum is scaled by world / per_step; the result does not depend on how pairs are split.
             policy.backward(algos.global_mean_share(losses, per_step, world))
-            r = algos.implicit_rewards(logps, ref, dpo.beta).detach()
-            tally.add(loss=losses.detach(), correct=r[:, 0] > r[:, 1], margin=r[:, 0] - r[:, 1], chosen=r[:, 0],
-                      rejected=r[:, 1], tokens=batch.num_tokens)
+            tally.add(**pair_sums(losses, algos.implicit_rewards(logps, ref, dpo.beta)), tokens=batch.num_tokens)
         grad_norm = policy.step()
         t = tally.reduce()
         dt = time.time() - t0
-        metrics = {"loss": t["loss"] / per_step, "rewards/accuracy": t["correct"] / per_step,
-                   **{f"rewards/{k}": t[k] / per_step for k in ("margin", "chosen", "rejected")},
-                   **policy.metrics([grad_norm]), "perf/tokens_per_s": t["tokens"] / dt, "timing_s/step": dt,
-                   "tokens": t["tokens"]}
+        metrics = {**pair_metrics(t, per_step), **policy.metrics([grad_norm]), "perf/tokens_per_s": t["tokens"] / dt,
+                   "timing_s/step": dt, "tokens": t["tokens"]}
         log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
         if stop := train.save_if_due(accelerator, tc, step + 1, flags):
             break  # saved: the run ends below, without an export

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from verl_kit import algos, config, data, models, rewards, train
 from verl_kit.errors import main_guard
-from verl_kit.metrics import MetricsLogger
+from verl_kit.metrics import MetricsLogger, pair_metrics, pair_sums
 
 
 @dataclass
@@ -93,16 +93,12 @@ def main():
             losses = algos.bradley_terry_loss(r[:, 0], r[:, 1], m, center)
             # Mean over the pairs of the global step: the rank's sum times world / per_step, as in recipes/dpo.py.
             rm.backward(algos.global_mean_share(losses, per_step, world))
-            r = r.detach()
-            tally.add(loss=losses.detach(), correct=r[:, 0] > r[:, 1], margin=r[:, 0] - r[:, 1], chosen=r[:, 0],
-                      rejected=r[:, 1], tokens=batch.num_tokens)
+            tally.add(**pair_sums(losses, r), tokens=batch.num_tokens)
         grad_norm = rm.step()
         t = tally.reduce()
         dt = time.time() - t0
-        metrics = {"loss": t["loss"] / per_step, "rewards/accuracy": t["correct"] / per_step,
-                   **{f"rewards/{k}": t[k] / per_step for k in ("margin", "chosen", "rejected")},
-                   **rm.metrics([grad_norm]), "perf/tokens_per_s": t["tokens"] / dt, "timing_s/step": dt,
-                   "tokens": t["tokens"]}
+        metrics = {**pair_metrics(t, per_step), **rm.metrics([grad_norm]), "perf/tokens_per_s": t["tokens"] / dt,
+                   "timing_s/step": dt, "tokens": t["tokens"]}
         log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
         if stop := train.save_if_due(accelerator, tc, step + 1, flags):
             break  # saved: the run ends below, without an export

@@ -124,6 +124,22 @@ def rows_through(path: str, step: int) -> list[str]:
 RUN_NAME_KEYS = {"wandb": "name", "trackio": "name", "mlflow": "run_name", "swanlab": "experiment_name"}
 
 
+def pair_sums(losses: torch.Tensor, rewards: torch.Tensor) -> dict:
+    """What a preference recipe (DPO, the reward model) tallies of a micro-batch: per-pair `losses` (B,) and the
+    (chosen, rejected) rewards (B, 2) -> the sums pair_metrics reads (detached)."""
+    r = rewards.detach()
+    return {"loss": losses.detach(), "correct": r[:, 0] > r[:, 1], "margin": r[:, 0] - r[:, 1], "chosen": r[:, 0],
+            "rejected": r[:, 1]}
+
+
+def pair_metrics(sums: dict, pairs: float) -> dict:
+    """A preference step's metrics from the step's summed pair_sums over its `pairs` pairs, as TRL's DPO names them:
+    loss, rewards/accuracy (the share whose chosen reward is the higher), rewards/margin, rewards/chosen,
+    rewards/rejected (means)."""
+    return {"loss": sums["loss"] / pairs, "rewards/accuracy": sums["correct"] / pairs,
+            **{f"rewards/{k}": sums[k] / pairs for k in ("margin", "chosen", "rejected")}}
+
+
 def peak_memory() -> dict[str, float]:
     """This process's peak memory so far, in GiB: `perf/peak_rss_gib` (resident, the kernel's high-water mark: what
     an out-of-memory kill compares) and, on CUDA, `perf/peak_gpu_gib` (torch.cuda.max_memory_allocated)."""
