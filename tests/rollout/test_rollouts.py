@@ -96,6 +96,13 @@ def test_checkpointed_batches_resume_the_same_sequence():
     assert head + tail == whole
     assert [s for kind, s, _ in engine.log if kind == "gen"] == [3, 4]  # step 2 was not generated again
 
+    # a checkpoint written before the batch carried its dataset rows (main 64ad734): they are found again
+    numbered = Prompts([{"n": i} for i in range(8)], STEPS.ids)
+    old = Rollouts(SingleTurn(RecordingEngine()), numbered, request, 5, 1)
+    old.load_state_dict({"batches": {2: {k: v for k, v in state["batches"][2].items() if k != "rows"}}})
+    assert old.get(2)[0].rows == [{"n": 2}]
+    old.close()
+
 
 def test_a_failed_generation_raises_in_the_trainer():
     rollouts = Rollouts(SingleTurn(RecordingEngine(fail_on=2)), STEPS, request, 5, 1)

@@ -187,8 +187,11 @@ class Rollouts:
 
     def load_state_dict(self, state: dict) -> None:
         for step, b in state["batches"].items():
+            ro = Rollout.from_state_dict(b)
+            if ro.rows is None and ro.prompt_index is not None:  # saved before the batch carried its dataset rows
+                ro = replace(ro, rows=[self.split.rows[i] for i in ro.prompt_index])
             future: Future = Future()
-            future.set_result(Rollout.from_state_dict(b))
+            future.set_result(ro)
             self.batches[int(step)] = (future, b["version"])
 
 
