@@ -130,7 +130,7 @@ def training_template(tokenizer) -> str | None:
     a conversation so that each turn's text stays as it was when later turns are added, e.g. Qwen3 keeps earlier
     reasoning, and marks the assistant's tokens), or None where the template needs none or TRL has none for it;
     an unknown template that does not extend a conversation by appending is then refused by the episodes' check
-    (rollout.episodes.check_prefix_property)."""
+    (rollout.chat.check_prefix_property)."""
     from trl.chat_template_utils import get_training_chat_template
 
     try:

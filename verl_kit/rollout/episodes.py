@@ -241,8 +241,8 @@ class Episodes:
         return ep.messages
 
     def generate(self, split, idx: list[int], params: SamplingParams, source: str = "dataset") -> Rollout:
-        """params.n episodes of each dataset row `split.rows[i]` (a rollout.prompts.Prompts), i in `idx`, in that
-        order (a row numbered i + 1 in errors): Rollouts' generation path, as rollouts.SingleTurn's."""
+        """params.n episodes of each dataset row `split.rows[i]`, i in `idx`, in that order (a row numbered i + 1 in
+        errors): the EpisodeRunner contract."""
         index = Prompts.each(idx, params.n)
         return self.run([split.rows[i] for i in index], [i + 1 for i in index], params, source)
 
