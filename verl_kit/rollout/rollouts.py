@@ -65,7 +65,7 @@ class Rollouts:
                  eval_params: SamplingParams | None = None, pass_threshold: float = 1.0, max_failed_steps: int = 0):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness {max_staleness}: use >= 0")
-        self.runner, self.engine = runner, runner.engine
+        self.runner = runner
         self.split, self.request, self.total_steps = split, request, total_steps
         self.server, self.eval_params, self.pass_threshold = server, eval_params, pass_threshold
         self.ahead, self.timeout_s = max_staleness, timeout_s
@@ -164,7 +164,7 @@ class Rollouts:
         """Weight sync (collective), once the engine has finished every batch handed to it."""
         for step, (future, _) in sorted(self.batches.items()):
             self._wait(future, f"the rollout of step {step}")
-        metrics = self.engine.load_weights(actor, version=version)
+        metrics = self.runner.engine.load_weights(actor, version=version)
         self.version = version
         return metrics
 
@@ -172,7 +172,7 @@ class Rollouts:
         if self.ahead is not None:
             self._jobs.put((None, None, None))
         self.runner.close()
-        self.engine.close()
+        self.runner.engine.close()
         if self.server is not None:
             self.server.stop()
 
