@@ -629,12 +629,13 @@ def state_worker(argv: list[str]) -> None:
 
     from verl_kit.config import TrainConfig
     from verl_kit.models import load_causal_lm, with_lora
-    from verl_kit.train import Trainable, destroy, make_accelerator, sharding, zero_stage
+    from verl_kit.train import DeepSpeed, Trainable, destroy, make_accelerator
 
     cfg = TrainConfig(model_name_or_path=a.model, output_dir=os.path.join(os.path.dirname(a.out), "state_out"),
                       per_device_train_batch_size=2, use_peft=a.lora, **(LORA if a.lora else {}))
     accelerator = make_accelerator(cfg)
-    zero3 = zero_stage(accelerator) == 3
+    stage = accelerator.sharding.stage if isinstance(accelerator.sharding, DeepSpeed) else 0
+    zero3 = stage == 3
     if zero3 and a.persistence_threshold is not None:
         zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
         zero["stage3_param_persistence_threshold"] = a.persistence_threshold
@@ -665,8 +666,8 @@ def state_worker(argv: list[str]) -> None:
         roles, gathered = [local(q.data for q in trained), local(q.data for q in frozen), [],
                            local(q.grad for q in params), local(adam(opt))], []
     numel = lambda qs: sum(getattr(q, "ds_numel", q.numel()) for q in qs)
-    mine = {"rank": accelerator.process_index, "zero_stage": zero_stage(accelerator),
-            "sharding": sharding(accelerator), "params": numel(params),
+    mine = {"rank": accelerator.process_index, "zero_stage": stage,
+            "sharding": accelerator.sharding.name, "params": numel(params),
             "trainable_params": numel(trained), "persistent_params": numel(q for q in params if getattr(
                 q, "ds_persist", False)), "full_param_bytes": sum(numel([q]) * q.element_size() for q in params)}
     seen = set()

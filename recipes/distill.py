@@ -115,7 +115,8 @@ def main():
                                    cfg.train.per_device_eval_batch_size) if cfg.rewards.any else None)
     rollouts = rollout.make_rollouts(cfg.rollout, cfg.vllm, None, cfg.train, accelerator, actor.unwrapped(),
                                      model_path, tokenizer, prompts, total_steps, dist.num_generations)
-    start = train.resume(accelerator, cfg.train, flags, per_rank=rollouts)  # 0 unless --resume_from_checkpoint
+    ckpt = train.Checkpoints(accelerator, cfg.train, flags, per_rank=rollouts)  # its id, save clock, stop signal
+    start = ckpt.resume()  # 0 unless --resume_from_checkpoint
     rollouts.load_weights(actor.unwrapped(), version=start)  # the engine samples from the (restored) student
     log = MetricsLogger(accelerator, cfg.train.output_dir, total_steps, start, flags, cfg.train.run_name)
     correct = train.OffPolicyCorrection(cfg.ratio, cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
@@ -212,7 +213,7 @@ def main():
             disagreement = (student_lp - teacher_lp) * mask  # log p - log q of each sampled token
             views = [teacher_view(disagreement[i], ro.response_ids[i], int(lengths[i]), tokenizer) for i in range(B)]
             log.log_samples(rollout.sample_rows(step + 1, ro, scores, tokenizer, extra=views))
-        if stop := train.save_if_due(accelerator, cfg.train, step + 1, flags, per_rank=rollouts):
+        if stop := ckpt.save_if_due(step + 1):
             break  # saved: the run ends below, without an export
 
     rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)

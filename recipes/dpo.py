@@ -121,7 +121,8 @@ def main():
         train.score_items(accelerator, policy.model, items(test), tc, pad, block_mask, "reference test") if test
         else None)
 
-    start = train.resume(accelerator, tc, flags)  # 0 unless --resume_from_checkpoint
+    ckpt = train.Checkpoints(accelerator, tc, flags)  # its id, save clock, stop signal
+    start = ckpt.resume()  # 0 unless --resume_from_checkpoint
     log = MetricsLogger(accelerator, tc.output_dir, total_steps, start, flags, tc.run_name)
 
     def evaluate():
@@ -133,7 +134,7 @@ def main():
                 "eval/rewards/margin": (rewards[:, 0] - rewards[:, 1]).mean().item()}
 
     if start == 0:
-        log.log(0, {**train.size_metrics(policy.model, world), "pairs/train": len(pairs), "pairs/test": len(test),
+        log.log(0, {**policy.size_metrics(), "pairs/train": len(pairs), "pairs/test": len(test),
                     **(evaluate() if test else {})})
 
     # ---- training loop -------------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def main():
         metrics = {**pair_metrics(t, per_step), **policy.metrics([grad_norm]), "perf/tokens_per_s": t["tokens"] / dt,
                    "timing_s/step": dt, "tokens": t["tokens"]}
         log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
-        if stop := train.save_if_due(accelerator, tc, step + 1, flags):
+        if stop := ckpt.save_if_due(step + 1):
             break  # saved: the run ends below, without an export
 
     if not stop:

@@ -110,7 +110,8 @@ def main():
                                    "reference train")
     ref_test = score(test, kl_test, "reference test") if test else None
 
-    start = train.resume(accelerator, tc, flags)  # 0 unless --resume_from_checkpoint
+    ckpt = train.Checkpoints(accelerator, tc, flags)  # its id, save clock, stop signal
+    start = ckpt.resume()  # 0 unless --resume_from_checkpoint
     log = MetricsLogger(accelerator, tc.output_dir, total_steps, start, flags, tc.run_name)
 
     def evaluate():
@@ -177,7 +178,7 @@ def main():
                    **by_class, **policy.metrics([grad_norm]), "perf/tokens_per_s": tokens / dt, "timing_s/step": dt,
                    "tokens": tokens}
         log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
-        if stop := train.save_if_due(accelerator, tc, step + 1, flags):
+        if stop := ckpt.save_if_due(step + 1):
             break  # saved: the run ends below, without an export
 
     if not stop:

@@ -100,7 +100,8 @@ def main():
     # the --rollout backend (episodes with --environment_factory, --tools or --agent), synchronous or ahead
     rollouts = rollout.make_rollouts(cfg.rollout, cfg.vllm, cfg.env, cfg.train, accelerator, actor.unwrapped(),
                                      model_path, tokenizer, prompts, total_steps, ppo.num_generations)
-    start = train.resume(accelerator, cfg.train, flags, per_rank=rollouts)  # 0 unless --resume_from_checkpoint
+    ckpt = train.Checkpoints(accelerator, cfg.train, flags, per_rank=rollouts)  # its id, save clock, stop signal
+    start = ckpt.resume()  # 0 unless --resume_from_checkpoint
     rollouts.load_weights(actor.unwrapped(), version=start)  # the engine samples from the (restored) actor
     log = MetricsLogger(accelerator, cfg.train.output_dir, total_steps, start, flags, cfg.train.run_name)
     correct = train.OffPolicyCorrection(cfg.ratio, cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
@@ -199,7 +200,7 @@ def main():
         if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,
                         evaluate if held_out.ids else None):  # a logging step: a few samples beside the metrics
             log.log_samples(rollout.sample_rows(step + 1, ro, scores, tokenizer))
-        if stop := train.save_if_due(accelerator, cfg.train, step + 1, flags, per_rank=rollouts):
+        if stop := ckpt.save_if_due(step + 1):
             break  # saved: the run ends below, without an export
 
     rollouts.close()  # stop a vLLM engine before interpreter teardown (its threads abort the process otherwise)

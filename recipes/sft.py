@@ -72,7 +72,8 @@ def main():
     total_steps = tc.total_steps(len(examples), per_step)
     policy = train.Trainable(accelerator, model, tc, tc.learning_rate, total_steps)
 
-    start = train.resume(accelerator, tc, flags)  # 0 unless --resume_from_checkpoint
+    ckpt = train.Checkpoints(accelerator, tc, flags)  # its id, save clock, stop signal
+    start = ckpt.resume()  # 0 unless --resume_from_checkpoint
     log = MetricsLogger(accelerator, tc.output_dir, total_steps, start, flags, tc.run_name)
 
     def evaluate():  # token-mean NLL over the whole held-out split, and its perplexity
@@ -81,7 +82,7 @@ def main():
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
     if start == 0:
-        log.log(0, {**train.size_metrics(policy.model, world), "sequences/train": len(examples),
+        log.log(0, {**policy.size_metrics(), "sequences/train": len(examples),
                     "sequences/test": len(test), "learned_tokens/train": learned(examples),
                     **(evaluate() if test else {})})
 
@@ -107,7 +108,7 @@ def main():
         metrics = {"loss": t["nll"] / n_tokens, **policy.metrics([grad_norm]), "learned_tokens": n_tokens,
                    "tokens": t["tokens"], "perf/tokens_per_s": t["tokens"] / dt, "timing_s/step": dt}
         log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
-        if stop := train.save_if_due(accelerator, tc, step + 1, flags):
+        if stop := ckpt.save_if_due(step + 1):
             break  # saved: the run ends below, without an export
 
     if not stop:

@@ -44,7 +44,7 @@ def test_report_to_names_every_accelerate_tracker_and_refuses_a_missing_one():
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 
     from verl_kit.config import TRACKERS
-    from verl_kit.train.distributed import trackers
+    from verl_kit.train.accelerator import trackers
 
     assert sorted(TRACKERS) == sorted(LOGGER_TYPE_TO_CLASS)
     installed = sorted(str(t.value) for t in get_available_trackers())

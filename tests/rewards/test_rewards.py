@@ -104,9 +104,7 @@ def test_reward_fn_errors_name_function_and_sample():
 
 def test_reward_model_is_frozen_and_deterministic(reward_model_dir):
     """Placed by engine.frozen (a plain module here, no DeepSpeed): no gradients, eval mode, same scores."""
-    from accelerate import Accelerator
-
-    from verl_kit.train import frozen
+    from verl_kit.train import Accelerator, frozen
 
     accelerator = Accelerator(cpu=True)
     rm = load_reward_model(reward_model_dir, lambda load: frozen(accelerator, load), "cpu", 256, 2)

@@ -9,14 +9,15 @@ import sys
 import torch
 
 from verl_kit.config import TrainConfig
-from verl_kit.models import gathered_params, load_causal_lm
+from verl_kit.models import load_causal_lm
 from verl_kit.train import Tally, Trainable, destroy, make_accelerator
 
 
-def fingerprint(model) -> float:
-    """Sum of every full parameter (gathered under ZeRO-3; collective)."""
-    with gathered_params(model):
-        return sum(float(p.detach().double().sum()) for p in model.parameters())
+def fingerprint(policy: Trainable) -> float:
+    """Sum of every full parameter (gathered by the run's sharding; collective under ZeRO-3 and FSDP2)."""
+    params = list(policy.model.parameters())
+    with policy.sharding.full_params(policy.model, params) as full:
+        return sum(float(full(p.detach()).double().sum()) for p in params)
 
 
 def main(model_path: str, out: str) -> None:
@@ -30,15 +31,15 @@ def main(model_path: str, out: str) -> None:
     for step in range(3):
         mine = data[step][rank::world]
         chunks = [mine[i:i + 2] for i in range(0, len(mine), 2)]
-        before, tally = fingerprint(policy.model), Tally()
+        before, tally = fingerprint(policy), Tally()
         for ids in policy.accumulate(chunks):
             loss = policy.model(input_ids=ids.to(accelerator.device), labels=ids.to(accelerator.device)).loss
             policy.backward(loss * len(ids) / 8 * world)  # mean over the step's 8 sequences (equal lengths)
             tally.add(loss=loss.detach() * len(ids) / 8)
-            updated_in_backward |= fingerprint(policy.model) != before
+            updated_in_backward |= fingerprint(policy) != before
         grad_norm = policy.step()
         rows.append({"loss": tally.reduce()["loss"], "grad_norm": grad_norm, "lr": policy.learning_rate,
-                     "changed": fingerprint(policy.model) != before})
+                     "changed": fingerprint(policy) != before})
     if accelerator.is_main_process:
         with open(out, "w") as f:
             json.dump({"world": world, "steps": rows, "updated_in_backward": updated_in_backward}, f)

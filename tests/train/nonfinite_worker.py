@@ -10,14 +10,15 @@ import sys
 import torch
 
 from verl_kit.config import TrainConfig
-from verl_kit.models import fsdp2, gathered_params, load_causal_lm
+from verl_kit.models import load_causal_lm
 from verl_kit.train import Trainable, destroy, make_accelerator
 
 
-def weights(model) -> tuple[float, bool]:
-    """(sum of every full parameter, all finite); gathered under ZeRO-3, all-gathered under FSDP2 (collective)."""
-    with gathered_params(model):
-        ps = [fsdp2.full_tensor(p.detach()).double() for p in model.parameters()]
+def weights(policy: Trainable) -> tuple[float, bool]:
+    """(sum of every full parameter, all finite); gathered by the run's sharding (collective under ZeRO-3, FSDP2)."""
+    params = list(policy.model.parameters())
+    with policy.sharding.full_params(policy.model, params) as full:
+        ps = [full(p.detach()).double() for p in params]
         return sum(float(p.sum()) for p in ps), all(bool(torch.isfinite(p).all()) for p in ps)
 
 
@@ -29,7 +30,7 @@ def main(model_path: str, out: str) -> None:
     data = torch.randint(5, 500, (4, 4, 12), generator=torch.Generator().manual_seed(0))
     rows = []
     for step in range(4):
-        before, _ = weights(policy.model)
+        before, _ = weights(policy)
         for ids in policy.accumulate([data[step][rank::world]]):
             loss = policy.model(input_ids=ids.to(accelerator.device), labels=ids.to(accelerator.device)).loss
             if step == 1 and rank == world - 1:
@@ -38,7 +39,7 @@ def main(model_path: str, out: str) -> None:
                 loss = loss + math.inf  # non-finite, yet its gradients are finite
             policy.backward(loss)
         grad_norm = policy.step()
-        after, finite = weights(policy.model)
+        after, finite = weights(policy)
         rows.append({"grad_norm": grad_norm, "changed": after != before, "finite": finite,
                      "skips": policy.nonfinite_skips, "lr": policy.learning_rate})
     if accelerator.is_main_process:

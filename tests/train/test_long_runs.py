@@ -23,11 +23,12 @@ from helpers import REPO, alive, assert_resume_bit_identical, env, launch_cmd, m
 from verl_kit.config import TrainConfig
 from verl_kit.errors import UserError
 from verl_kit.train import (
-    STOP,
+    Accelerator,
+    Checkpoints,
+    StopSignal,
     check_output_dir,
     list_checkpoints,
     model_flags,
-    resume,
     run_fingerprint,
     save_checkpoint,
 )
@@ -36,19 +37,23 @@ from verl_kit.train import (
 @pytest.fixture(autouse=True)
 def _default_signals():
     yield
-    STOP.disarm()  # resume() arms SIGTERM/SIGUSR1 in this process
+    StopSignal().disarm()  # Checkpoints.resume() arms SIGTERM/SIGUSR1 in this process
 
 
 def _trainer(seed: int = 0):
-    """A fresh Accelerator with a prepared Linear and its AdamW (accelerate's save_state/load_state for real)."""
-    from accelerate import Accelerator
-
+    """A fresh Accelerator with a Linear and its AdamW prepared by its sharding (accelerate's save_state/load_state
+    for real)."""
     torch.manual_seed(seed)
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = accelerator.sharding.prepare(model, optimizer)
     return accelerator, model, optimizer
+
+
+def _resume(accelerator, cfg) -> tuple[Checkpoints, int]:
+    ckpt = Checkpoints(accelerator, cfg, {})
+    return ckpt, ckpt.resume()
 
 
 def _step(model, optimizer):
@@ -57,8 +62,10 @@ def _step(model, optimizer):
     optimizer.zero_grad()
 
 
-def _save(accelerator, cfg, step, keep=0):
-    return save_checkpoint(accelerator, cfg.output_dir, step, keep, model_flags(cfg), None, run_fingerprint(cfg, {}))
+def _save(ckpt, cfg, step, keep=0):
+    """Checkpoint `step` of `ckpt`'s run into `cfg`'s output_dir (cfg's flags, not the run's)."""
+    return save_checkpoint(ckpt.accelerator, cfg.output_dir, step, keep, model_flags(cfg), ckpt.run_id, None,
+                           run_fingerprint(cfg, {}))
 
 
 def _cfg(out, **kw) -> TrainConfig:
@@ -74,7 +81,7 @@ def test_second_signal_ends_the_process_at_once():
             "spec = importlib.util.spec_from_file_location('preemption', sys.argv[1])\n"
             "module = importlib.util.module_from_spec(spec)\n"
             "spec.loader.exec_module(module)\n"
-            "STOP = module.STOP\n"
+            "STOP = module.StopSignal()\n"
             "STOP.arm()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(0.2)\n"
@@ -207,12 +214,12 @@ def test_nonfinite_weights_are_not_saved(tmp_path):
     nothing (no checkpoint, no temporary). On the committed code the NaN weights were saved as checkpoint-2."""
     cfg = _cfg(tmp_path / "out")
     accelerator, model, optimizer = _trainer()
-    resume(accelerator, cfg, {})
-    _save(accelerator, cfg, 1)
+    ckpt, _ = _resume(accelerator, cfg)
+    _save(ckpt, cfg, 1)
     with torch.no_grad():
         model.weight[0, 0] = float("nan")
     with pytest.raises(UserError) as e:
-        _save(accelerator, cfg, 2)
+        _save(ckpt, cfg, 2)
     assert str(e.value) == (f"checkpoint-2 not written: the trainable weights hold NaN or inf after step 2; the last "
                             f"checkpoint is {cfg.output_dir}/checkpoint-1 (docs/long-runs.md, Bad values)")
     assert sorted(os.listdir(cfg.output_dir)) == ["checkpoint-1"]
@@ -222,16 +229,15 @@ def test_nonfinite_weights_are_not_published(tmp_path, tiny_model_path):
     """Nothing non-finite is published (issue 55, item 2): the final export of a model with a NaN in a trainable
     weight stops in one line naming the step and the last checkpoint, and an earlier final/ stays as it was. On main
     64ad734 the NaN weights were written to final/."""
-    from accelerate import Accelerator
-
     from verl_kit.models import load_causal_lm, load_tokenizer
     from verl_kit.train import export_final
 
     cfg = _cfg(tmp_path / "out")
     accelerator = Accelerator(cpu=True)
-    model = accelerator.prepare(load_causal_lm(tiny_model_path))
-    resume(accelerator, cfg, {})
-    _save(accelerator, cfg, 3)
+    model = load_causal_lm(tiny_model_path)
+    model, _ = accelerator.sharding.prepare(model, torch.optim.AdamW(model.parameters()))
+    ckpt, _ = _resume(accelerator, cfg)
+    _save(ckpt, cfg, 3)
     tokenizer = load_tokenizer(tiny_model_path)
     assert export_final(accelerator, model, tokenizer, cfg.output_dir, 3) == f"{cfg.output_dir}/final"
     before = (tmp_path / "out" / "final" / "model.safetensors").read_bytes()
@@ -257,10 +263,11 @@ def test_output_dir_belongs_to_its_run(tmp_path):
     cfg = _cfg(out, save_total_limit=2)
     check_output_dir(cfg)  # an empty or missing directory is fine
     accelerator, model, optimizer = _trainer()
-    assert resume(accelerator, cfg, {}) == 0
+    ckpt, start = _resume(accelerator, cfg)
+    assert start == 0
     for step in (1, 2, 3):
         _step(model, optimizer)
-        _save(accelerator, cfg, step, keep=0)
+        _save(ckpt, cfg, step, keep=0)
     with pytest.raises(UserError, match=r"holds another run's work \(checkpoint-1, checkpoint-2, checkpoint-3\)"):
         check_output_dir(cfg)
     check_output_dir(_cfg(out, resume_from_checkpoint="auto"))
@@ -271,7 +278,8 @@ def test_output_dir_belongs_to_its_run(tmp_path):
     # Resume from checkpoint-1: 2 and 3 are set aside, `auto` then finds 1.
     accelerator, model, optimizer = _trainer(seed=1)
     older = _cfg(out, resume_from_checkpoint=str(out / "checkpoint-1"), save_total_limit=2)
-    assert resume(accelerator, older, {}) == 1
+    ckpt, start = _resume(accelerator, older)
+    assert start == 1
     assert [s for s, _ in list_checkpoints(str(out))] == [1]
     assert sorted(os.listdir(out / "superseded")) == ["checkpoint-2", "checkpoint-3"]
     run_id = json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())["run_id"]
@@ -283,14 +291,15 @@ def test_output_dir_belongs_to_its_run(tmp_path):
     (foreign / "trainer_state.json").write_text(json.dumps({**state, "step": 0, "run_id": "another-run"}))
     for step in (2, 3, 4):
         _step(model, optimizer)
-        _save(accelerator, older, step, keep=2)
+        _save(ckpt, older, step, keep=2)
     assert [s for s, _ in list_checkpoints(str(out))] == [0, 3, 4]
     assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["run_id"] == run_id  # kept on resume
 
     # --overwrite_output_dir: a fresh start that deletes the earlier run's checkpoints, final/ and superseded/.
     (out / "final").mkdir()
     accelerator, model, optimizer = _trainer()
-    assert resume(accelerator, _cfg(out, overwrite_output_dir=True), {}) == 0
+    ckpt, start = _resume(accelerator, _cfg(out, overwrite_output_dir=True))
+    assert start == 0
     assert sorted(os.listdir(out)) == []
 
 
@@ -304,9 +313,9 @@ def test_checkpoint_is_synced_before_the_rename_and_rotated_after(tmp_path, monk
     cfg = _cfg(tmp_path / "out")
     os.makedirs(tmp_path / "out" / ".tmp-checkpoint-7" / "junk")
     accelerator, model, optimizer = _trainer()
-    resume(accelerator, cfg, {})
+    ckpt, _ = _resume(accelerator, cfg)
     assert not (tmp_path / "out" / ".tmp-checkpoint-7").exists()
-    _save(accelerator, cfg, 1)
+    _save(ckpt, cfg, 1)
 
     events = []
     real_fsync, real_rename, real_rmtree = os.fsync, os.rename, shutil.rmtree
@@ -327,7 +336,7 @@ def test_checkpoint_is_synced_before_the_rename_and_rotated_after(tmp_path, monk
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     _step(model, optimizer)
-    _save(accelerator, cfg, 2, keep=1)
+    _save(ckpt, cfg, 2, keep=1)
     tmp, final = f"{cfg.output_dir}/.tmp-checkpoint-2", f"{cfg.output_dir}/checkpoint-2"
     at = events.index(("rename", tmp, final))
     synced = {e[1] for e in events[:at] if e[0] == "fsync"}
@@ -344,8 +353,8 @@ def test_full_disk_stops_in_one_line_and_keeps_the_checkpoints(tmp_path, monkeyp
     file system: test_full_disk_in_a_real_run.)"""
     cfg = _cfg(tmp_path / "out")
     accelerator, model, optimizer = _trainer()
-    resume(accelerator, cfg, {})
-    _save(accelerator, cfg, 1)
+    ckpt, _ = _resume(accelerator, cfg)
+    _save(ckpt, cfg, 1)
     before = {p: p.read_bytes() for p in (tmp_path / "out" / "checkpoint-1").iterdir()}
 
     def full(*args, **kwargs):
@@ -353,7 +362,7 @@ def test_full_disk_stops_in_one_line_and_keeps_the_checkpoints(tmp_path, monkeyp
 
     monkeypatch.setattr(torch, "save", full)  # accelerate writes the optimizer state with torch.save
     with pytest.raises(UserError) as e:
-        _save(accelerator, cfg, 2)
+        _save(ckpt, cfg, 2)
     assert str(e.value) == (f"--output_dir {cfg.output_dir}: writing checkpoint-2 failed (No space left on device); "
                             "the run stops and the checkpoints on disk are intact (checkpoint-1): free space, then "
                             "continue with --resume_from_checkpoint auto")
@@ -397,18 +406,19 @@ def test_auto_falls_back_past_a_checkpoint_that_does_not_load(tmp_path, caplog):
     safetensors."""
     cfg = _cfg(tmp_path / "out", resume_from_checkpoint="auto")
     accelerator, model, optimizer = _trainer()
-    resume(accelerator, _cfg(tmp_path / "out"), {})
+    ckpt, _ = _resume(accelerator, _cfg(tmp_path / "out"))
     _step(model, optimizer)
-    _save(accelerator, cfg, 1)
+    _save(ckpt, cfg, 1)
     at_1 = model.weight.detach().clone()
     _step(model, optimizer)
-    _save(accelerator, cfg, 2)
+    _save(ckpt, cfg, 2)
     shard = tmp_path / "out" / "checkpoint-2" / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
 
     accelerator, model, optimizer = _trainer(seed=5)
     with caplog.at_level("WARNING"):
-        assert resume(accelerator, cfg, {}) == 1
+        ckpt, start = _resume(accelerator, cfg)
+        assert start == 1
     assert torch.equal(model.weight.detach(), at_1)
     assert f"--resume_from_checkpoint auto: {cfg.output_dir}/checkpoint-2 does not load (" in caplog.text
     assert [s for s, _ in list_checkpoints(cfg.output_dir)] == [1]
@@ -420,12 +430,11 @@ def test_final_is_replaced_by_rename_aside(tmp_path, tiny_model_path, monkeypatc
     rename fails (a crash there) the old final/ is back whole, and a full disk while writing is one line with the old
     final/ intact. On the committed code final/ was deleted before the rename, so the same failure left none, and
     the full disk escaped as a traceback."""
-    from accelerate import Accelerator
-
     from verl_kit.models import export_hf, load_causal_lm, load_tokenizer
 
     accelerator = Accelerator(cpu=True)
     model = accelerator.prepare(load_causal_lm(tiny_model_path))
+    state_dict = accelerator.sharding.full_state_dict(model)
     tokenizer = load_tokenizer(tiny_model_path)
     final = tmp_path / "final"
     final.mkdir()
@@ -439,18 +448,18 @@ def test_final_is_replaced_by_rename_aside(tmp_path, tiny_model_path, monkeypatc
 
     monkeypatch.setattr(os, "rename", failing_rename)
     with pytest.raises(UserError, match=r"final: writing the final model failed \(Input/output error\)"):
-        export_hf(accelerator, model, tokenizer, str(final))
+        export_hf(accelerator, model, state_dict, tokenizer, str(final))
     assert sorted(os.listdir(tmp_path)) == ["final"] and (final / "earlier.txt").is_file()
 
     monkeypatch.setattr(os, "rename", real_rename)
     monkeypatch.setattr(type(tokenizer), "save_pretrained",
                         lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
     with pytest.raises(UserError, match=r"writing the final model failed \(No space left on device\)"):
-        export_hf(accelerator, model, tokenizer, str(final))
+        export_hf(accelerator, model, state_dict, tokenizer, str(final))
     assert sorted(os.listdir(tmp_path)) == ["final"] and (final / "earlier.txt").is_file()
 
     monkeypatch.undo()
-    export_hf(accelerator, model, tokenizer, str(final))
+    export_hf(accelerator, model, state_dict, tokenizer, str(final))
     assert sorted(os.listdir(tmp_path)) == ["final"] and (final / "model.safetensors").is_file()
     assert not (final / "earlier.txt").exists()
 

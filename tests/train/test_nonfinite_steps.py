@@ -17,7 +17,7 @@ from verl_kit.train.trainable import MAX_NONFINITE_SKIPS, Trainable
 
 
 def _linear():
-    from accelerate import Accelerator
+    from verl_kit.train import Accelerator
 
     torch.manual_seed(0)
     return Trainable(Accelerator(cpu=True), torch.nn.Linear(4, 1), TrainConfig(), learning_rate=0.1, total_steps=100)

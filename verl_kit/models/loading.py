@@ -239,13 +239,12 @@ def uses_block_mask(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) == SEGMENT_ATTENTION
 
 
-def export_hf(accelerator, model, tokenizer, out_dir: str) -> None:
-    """Write the model (ZeRO-3 or FSDP2 shards gathered) as safetensors + tokenizer to `out_dir`, atomically and
+def export_hf(accelerator, model, state_dict: dict, tokenizer, out_dir: str) -> None:
+    """Write the model, its whole `state_dict` (the run's Sharding.full_state_dict: ZeRO-3 or FSDP2 shards gathered;
+    on the main process) as safetensors + tokenizer to `out_dir`, atomically and
     durably: into `out_dir.tmp`, synced, then renamed in, an earlier `out_dir` renamed aside first and deleted last
     (durable.replace_dir). A write that fails (no space) is one line, the earlier `out_dir` intact. A LoRA model:
     the adapter in `out_dir`, the merged model in `out_dir/merged` (verl_kit.models.lora.export_adapter)."""
-
-    state_dict = fsdp2.full_state_dict(model) if fsdp2.is_sharded(model) else accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         tmp = out_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -85,12 +85,7 @@ def with_lora(model: nn.Module, cfg, task_type: str | None = "CAUSAL_LM") -> nn.
         return model
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if getattr(cfg, "load_in_4bit", False):  # QLoRA (GPU only; not run in CI)
-        from transformers.integrations import is_deepspeed_zero3_enabled
-
-        if is_deepspeed_zero3_enabled():
-            raise UserError("--load_in_4bit with ZeRO-3: 4-bit weights are not partitioned (transformers skips "
-                            "zero.init for quantized models); use one process, DDP or ZeRO-2")
+    if getattr(cfg, "load_in_4bit", False):  # QLoRA (GPU only; not run in CI; ZeRO-3 refuses it: train/sharding.py)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
 

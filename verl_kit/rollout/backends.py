@@ -50,17 +50,18 @@ def start_server(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, model_pa
 
 def make_backend(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, actor, model_path: str, tokenizer,
                  probe_prompts: list[list[int]], server_url: str | None, max_length: int, seed: int) -> RolloutBackend:
-    """The `--rollout` backend for the unwrapped `actor`: HF generate on a plain copy, a vLLM engine in each process
+    """The `--rollout` backend for the unwrapped `actor` (its full tensors gathered for each sync through the run's
+    `accelerator.sharding`): HF generate on a plain copy, a vLLM engine in each process
     (its context `max_length`, seeded `seed` + rank), or a client of the vLLM server at `server_url` (see
     start_server); only process 0 pushes weights to a server."""
     dtype = rollout_dtype(accelerator)
     if cfg.rollout == "hf":
-        return HFGenerateBackend(actor, tokenizer, accelerator.device, dtype)
+        return HFGenerateBackend(actor, tokenizer, accelerator.device, dtype, accelerator.sharding)
     rank = accelerator.process_index
     vllm_dtype = str(dtype).removeprefix("torch.")
     common = dict(bucket_mb=vllm_cfg.vllm_sync_bucket_mb, sync_timeout_s=vllm_cfg.vllm_sync_timeout_s,
                   probe_prompts=probe_prompts, probe_threshold=vllm_cfg.vllm_probe_threshold,
-                  transport=vllm_cfg.vllm_weight_sync_transport)
+                  transport=vllm_cfg.vllm_weight_sync_transport, sharding=accelerator.sharding)
     if cfg.rollout == "vllm":
         return VLLMColocated(model_path, tokenizer, dtype=vllm_dtype, seed=seed + rank,
                              max_model_len=max_length, tensor_parallel_size=vllm_cfg.vllm_tensor_parallel_size,

@@ -111,14 +111,15 @@ class HFGenerateBackend:
     BUCKET_BYTES = 64 << 20  # weight sync: parameters gathered at a time
     per_sample_seeds = False  # draws from the torch RNG (checkpointed with the run)
 
-    def __init__(self, actor, tokenizer, device, dtype: torch.dtype):
+    def __init__(self, actor, tokenizer, device, dtype: torch.dtype, sharding=None):
         """`actor`: the unwrapped policy (a LoRA policy's copy is its base model class, the adapter merged in at each
-        sync). The class is called directly on its config: from_config/from_pretrained would build ZeRO-3 shards
-        whenever a ZeRO-3 config is registered with transformers."""
+        sync), placed by `sharding` (the run's train.Sharding, which gathers its full tensors; None: they are whole).
+        The class is called directly on its config: from_config/from_pretrained would build ZeRO-3 shards whenever a
+        ZeRO-3 config is registered with transformers."""
         plain = actor.get_base_model() if peft_model(actor) is not None else actor
         self.model = type(plain)(plain.config).to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.model.config.use_cache = True
-        self.tokenizer, self.device = tokenizer, device
+        self.tokenizer, self.device, self.sharding = tokenizer, device, sharding
         self._keeping, self._kept = False, None
         self.load_weights(actor)
 
@@ -146,7 +147,7 @@ class HFGenerateBackend:
         optimizer step that produced the weights."""
         t0 = time.time()
         self._kept = None  # computed with the old weights
-        for tensors, _ in gathered_buckets(actor, self.BUCKET_BYTES):
+        for tensors, _ in gathered_buckets(actor, self.BUCKET_BYTES, self.sharding):
             for name, t in tensors.items():
                 self.model.get_parameter(name).copy_(t)
         return {"weight_sync/seconds": time.time() - t0, "weight_sync/version": version}

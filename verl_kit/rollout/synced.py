@@ -42,6 +42,7 @@ class SyncedBackend:
     bucket_mb: float
     sync_timeout_s: float
     transport: str = "auto"
+    sharding = None  # the run's train.Sharding, which gathers the actor's full tensors (None: they are whole)
 
     def keep_prefixes(self) -> contextlib.AbstractContextManager:
         """A no-op: a vLLM engine caches prompt prefixes itself (RolloutBackend.keep_prefixes)."""
@@ -79,7 +80,7 @@ class SyncedBackend:
         if slots and self._shared is None:
             self._shared = SharedBuckets()
         metrics = sync_weights(actor, self._push if self.pushes else None, self._commit if self.pushes else None,
-                               self.bucket_mb, self.sync_timeout_s, self._shared if slots else None)
+                               self.bucket_mb, self.sync_timeout_s, self._shared if slots else None, self.sharding)
         metrics["weight_sync/version"] = version
         if self.probe is not None:
             metrics.update(self.probe.check(self.score, actor, self.pushes))

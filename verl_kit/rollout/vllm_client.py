@@ -34,8 +34,9 @@ class VLLMServer(SyncedBackend):
                  request_timeout_s: float = 600, max_retries: int = 4, backoff_s: float = 0.5,
                  bucket_mb: float = 64, sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
                  probe_threshold: float | None = None, dtype: str = "auto", pushes: bool = True,
-                 transport: str = "auto", api_key: str | None = None):
+                 transport: str = "auto", api_key: str | None = None, sharding=None):
         self.url = base_url.rstrip("/")
+        self.sharding = sharding  # the run's train.Sharding: gathers the actor's full tensors (None: they are whole)
         self._headers = auth_headers(api_key or key_for(self.url))
         self.tokenizer = tokenizer
         self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s

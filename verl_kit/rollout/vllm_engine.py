@@ -89,9 +89,11 @@ class VLLMColocated(SyncedBackend):
                  enable_sleep_mode: bool = False, kv_cache_gib: int = 1, seed: int = 0, bucket_mb: float = 256,
                  sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
                  probe_threshold: float | None = None, enforce_eager: bool | None = None,
-                 cpu_threads: int | None = None, world_size: int = 1, transport: str = "auto"):
+                 cpu_threads: int | None = None, world_size: int = 1, transport: str = "auto", sharding=None):
         """`cpu_threads` (CPU only): compute threads of the engine's worker (see `_cpu_env`); None: vLLM's binding.
-        `world_size`: training processes, each with its own engine."""
+        `world_size`: training processes, each with its own engine. `sharding`: the run's train.Sharding, which
+        gathers the actor's full tensors at each sync (None: they are whole)."""
+        self.sharding = sharding
         import vllm
 
         gpu = _on_gpu()

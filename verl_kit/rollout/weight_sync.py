@@ -13,13 +13,13 @@ has in the module tree (`named_tensors`), so the engine reloads the tied output 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 
-from verl_kit.models import fsdp2, lora
-from verl_kit.models.zero3 import gathered_params
+from verl_kit.models import lora
 from verl_kit.rollout.transport import SharedBuckets, encode
 
 _PREFIXES = ("module.", "_orig_mod.", "base_model.model.")  # DDP/DeepSpeed wrapper, torch.compile, PEFT
@@ -65,26 +65,34 @@ def buckets(model, bucket_bytes: int) -> list[list[tuple[list[str], torch.nn.Par
     return out + [cur] if cur else out
 
 
-def gathered_buckets(model, bucket_bytes: int) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, str]]]:
-    """Yield each bucket as ({engine name: full tensor}, {alias: engine name}); a tied tensor is sent once, its other
-    names ride along as aliases; a LoRA layer's weight is sent merged (W + scale * B @ A, gathered with its A and B).
-    The tensors are the parameters themselves, on their device (under ZeRO-3 the gathered ones; under FSDP2 full
-    tensors all-gathered from the DTensor shards, the merge computed on the shards): valid until the next bucket is
-    asked for, so the consumer copies them where they go (no copy in between). Collective under ZeRO-3 and FSDP2:
-    every process iterates it to the end, in order."""
+def gathered_buckets(model, bucket_bytes: int, sharding=None
+                     ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, str]]]:
+    """Yield each bucket of `model` (placed by the run's train.Sharding `sharding`, which gathers its full tensors;
+    None: a model whose parameters are whole) as ({engine name: full tensor}, {alias: engine name}); a tied tensor is
+    sent once, its other names ride along as aliases; a LoRA layer's weight is sent merged (W + scale * B @ A, gathered
+    with its A and B). The tensors are the parameters themselves, on their device (under ZeRO-3 the gathered ones; under
+    FSDP2 full tensors all-gathered from the DTensor shards, the merge computed on the shards): valid until the next
+    bucket is asked for, so the consumer copies them where they go (no copy in between). Collective under ZeRO-3 and
+    FSDP2: every process iterates it to the end, in order."""
+    full_params = sharding.full_params if sharding is not None else _whole_params
     adapted = lora.lora_layers(model)
     for bucket in buckets(model, bucket_bytes):
         extra = [q for _, p in bucket if id(p) in adapted for q in lora.adapter_params(adapted[id(p)])]
-        with gathered_params(model, [p for _, p in bucket] + extra):
-            tensors = {engine_name(names[0]): fsdp2.full_tensor(
+        with full_params(model, [p for _, p in bucket] + extra) as full:
+            tensors = {engine_name(names[0]): full(
                 lora.merged_weight(adapted[id(p)], p.data) if id(p) in adapted else p.data).detach()
                 for names, p in bucket}
             aliases = {engine_name(a): engine_name(names[0]) for names, _ in bucket for a in names[1:]}
             yield tensors, aliases
 
 
+@contextlib.contextmanager
+def _whole_params(model, params):
+    yield lambda t: t
+
+
 def sync_weights(model, push: Callable[[list[str], float], None] | None, commit: Callable[[float], None] | None,
-                 bucket_mb: float, timeout_s: float, shared: SharedBuckets | None = None) -> dict:
+                 bucket_mb: float, timeout_s: float, shared: SharedBuckets | None = None, sharding=None) -> dict:
     """Gather `model` bucket by bucket, hand the encoded buckets to `push(blobs, seconds_left)`, then call
     `commit(seconds_left)`. Same host (`shared` given: the backend chose same-host slots): each
     bucket is written into its slot as it is gathered and every slot's reference goes in one call after the last;
@@ -105,7 +113,7 @@ def sync_weights(model, push: Callable[[list[str], float], None] | None, commit:
         return remaining
 
     slots = []
-    for tensors, aliases in gathered_buckets(model, int(bucket_mb * 2**20)):
+    for tensors, aliases in gathered_buckets(model, int(bucket_mb * 2**20), sharding):
         n_buckets += 1
         n_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         if push is not None and same_host:  # written now (the gathered bucket can go), sent in one call below

@@ -1,7 +1,9 @@
-"""Training mechanics: the one optimizer-step path (Trainable), frozen scorers, accelerator and collective helpers,
+"""Training mechanics: the one optimizer-step path (Trainable), frozen scorers, the run's Accelerator and its
+Sharding (the one answer to "ZeRO-3, FSDP2 or DDP?"), collective helpers,
 sharded scoring, packed forward passes over rollout responses, checkpoints, resume, the run's --output_dir and
 preemption."""
 
+from verl_kit.train.accelerator import make_accelerator
 from verl_kit.train.actor_critic import (
     CriticModel,
     OffPolicyCorrection,
@@ -13,6 +15,7 @@ from verl_kit.train.actor_critic import (
 )
 from verl_kit.train.checkpoint import (
     MODEL_FLAGS,
+    Checkpoints,
     check_run,
     export_final,
     load_checkpoint,
@@ -20,11 +23,9 @@ from verl_kit.train.checkpoint import (
     nonfinite_weights,
     refuse_nonfinite,
     resolve_resume,
-    resume,
     run_changes,
     run_fingerprint,
     save_checkpoint,
-    save_if_due,
 )
 from verl_kit.train.distributed import (
     Tally,
@@ -33,20 +34,15 @@ from verl_kit.train.distributed import (
     all_reduce_max,
     derived_seed,
     destroy,
-    make_accelerator,
     micro_batches,
     minibatches,
-    param_counts,
     reduce_metrics,
     shard,
-    sharding,
-    size_metrics,
     step_indices,
     step_seed,
     steps_indices,
     unshard,
     updates,
-    zero_stage,
 )
 from verl_kit.train.lm_head import (
     CHUNK_SIZE,
@@ -59,6 +55,7 @@ from verl_kit.train.lm_head import (
     token_logprobs,
 )
 from verl_kit.train.output_dir import STATE_FILE, check_output_dir, list_checkpoints
-from verl_kit.train.preemption import STOP, StopSignal
+from verl_kit.train.preemption import StopSignal
 from verl_kit.train.scoring import Sequences, completion_sequences, make_batch, score_items, score_subset
+from verl_kit.train.sharding import FSDP2, Accelerator, DeepSpeed, Sharding
 from verl_kit.train.trainable import Trainable, frozen, load_teacher

@@ -17,7 +17,6 @@ deletes only this run's, and `auto` falls back to the next older checkpoint when
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -26,7 +25,6 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 
 import torch
 
@@ -34,12 +32,11 @@ from verl_kit.config import TrainConfig
 from verl_kit.data.datasets import split_fingerprint
 from verl_kit.durable import fsync_tree, replace_dir, write_failure
 from verl_kit.errors import UserError
-from verl_kit.models import fsdp2
 from verl_kit.models.loading import export_hf
-from verl_kit.train.distributed import reduce_metrics, sharding
+from verl_kit.train.distributed import reduce_metrics
 from verl_kit.train.output_dir import STATE_FILE, clear, list_checkpoints, set_aside, sweep
-from verl_kit.train.preemption import STOP
-from verl_kit.train.trainable import FSDP2_TRAINABLES
+from verl_kit.train.preemption import StopSignal
+from verl_kit.train.sharding import layout_of
 
 logger = logging.getLogger(__name__)
 # What the saved weights are: a checkpoint resumed under other values would load its base weights and adapter into a
@@ -61,25 +58,6 @@ FREE_FLAGS = frozenset({
     "dataset_name", "dataset_config", "dataset_train_split"})  # the data itself is compared by its rows' hash
 
 
-@dataclass
-class _Run:
-    """This process's run from resume() on: its id (recorded in each checkpoint; a resumed run keeps the id of the
-    checkpoint it resumed) and when it last saved (time.monotonic)."""
-
-    run_id: str
-    last_save: float
-
-
-_RUN: _Run | None = None  # one training run per process
-
-
-def _current() -> _Run:
-    global _RUN
-    if _RUN is None:  # save_checkpoint called without resume() (a test, a copied recipe): a run of its own
-        _RUN = _Run(uuid.uuid4().hex[:12], time.monotonic())
-    return _RUN
-
-
 def resolve_resume(output_dir: str, resume: str | None) -> list[str]:
     """The checkpoints to try, best first: 'auto' -> every complete checkpoint of `output_dir`, newest first; a path
     -> that path, checked; nothing -> []."""
@@ -93,15 +71,15 @@ def resolve_resume(output_dir: str, resume: str | None) -> list[str]:
 
 
 def nonfinite_weights(accelerator) -> int:
-    """How many trainable parameter tensors of this process's prepared models hold a NaN or an inf (under ZeRO-3, its
-    own partition of each: `ds_tensor`). One pass over the weights, one sync per device they live on."""
+    """How many trainable parameter tensors of the models this process's sharding prepared for training hold a NaN
+    or an inf (what it holds of each: Sharding.local, e.g. ZeRO-3's partition). One pass over the weights, one sync
+    per device they live on."""
+    sharding = accelerator.sharding
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    # the models save_state writes, and those sharded with FSDP2 (their DTensor's local shard)
-    for model in [*accelerator._models, *(t.model for t in FSDP2_TRAINABLES)]:
+    for model in sharding.trained:
         for p in model.parameters():
             if p.requires_grad:
-                t = getattr(p, "ds_tensor", p).detach()
-                t = t.to_local() if hasattr(t, "to_local") else t
+                t = sharding.local(p).detach()
                 by_device.setdefault(t.device, []).append(torch.isfinite(t).all().logical_not())
     return sum(int(torch.stack(flags).sum()) for flags in by_device.values())
 
@@ -121,7 +99,7 @@ def export_final(accelerator, model, tokenizer, output_dir: str, step: int) -> s
     (refuse_nonfinite): nothing non-finite is published. Returns its path."""
     refuse_nonfinite(accelerator, output_dir, step, "final/")
     path = os.path.join(output_dir, "final")
-    export_hf(accelerator, model, tokenizer, path)
+    export_hf(accelerator, model, accelerator.sharding.full_state_dict(model), tokenizer, path)
     return path
 
 
@@ -146,10 +124,11 @@ def _write_failed(e: Exception, output_dir: str) -> str:
     return reason
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: dict, per_rank=None,
+def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: dict, run_id: str, per_rank=None,
                     run: dict | None = None) -> str:
-    """Checkpoint `step` (`model`: the MODEL_FLAGS values, checked on resume; `run`: run_fingerprint's data hash and
-    maths flags, compared on resume), keeping the last `keep` of this run's checkpoints. `per_rank`: an object with
+    """Checkpoint `step` of run `run_id` (`model`: the MODEL_FLAGS values, checked on resume; `run`:
+    run_fingerprint's data hash and maths flags, compared on resume), keeping the last `keep` of this run's
+    checkpoints (the ones recording `run_id`: Checkpoints.run_id). `per_rank`: an object with
     state_dict()/load_state_dict() whose state differs between processes (saved by each, as rank-<i>.pt;
     accelerate's custom objects are saved by the main process only). Every rank first checks that its trainable
     weights are finite (refused in one line otherwise); the files are written into `.tmp-checkpoint-<step>`, synced
@@ -157,17 +136,13 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: d
     checkpoints deleted. A write that fails (no space) stops the run in one line and leaves the earlier ones."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
-    me = _current()
     refuse_nonfinite(accelerator, output_dir, step, f"checkpoint-{step}")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     failure = ""
     try:
-        with _frozen_left_out(accelerator, model.get("use_peft")) as kwargs:
-            accelerator.save_state(tmp, **kwargs)
-        for i, t in enumerate(FSDP2_TRAINABLES):  # not prepared, so not in save_state: shards by each process
-            fsdp2.save_sharded(t.model, t.optimizer, os.path.join(tmp, f"fsdp2_{i}"))
+        accelerator.sharding.save(tmp, lora=bool(model.get("use_peft")))
         if per_rank is not None:
             torch.save(per_rank.state_dict(), os.path.join(tmp, f"rank-{accelerator.process_index}.pt"))
     except Exception as e:  # a full disk; a bug raises on in _write_failed
@@ -182,18 +157,17 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: d
     if accelerator.is_main_process:
         try:
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
-                json.dump({"step": step, "run_id": me.run_id, "model": model, **({"run": run} if run else {})}, f)
+                json.dump({"step": step, "run_id": run_id, "model": model, **({"run": run} if run else {})}, f)
             replace_dir(tmp, final)  # fsync of every file and directory (trainer_state.json too), then the rename
         except Exception as e:
             failure = _write_failed(e, output_dir)
     _agree(failure, f"checkpoint-{step}", output_dir, tmp, accelerator.is_main_process)
     if accelerator.is_main_process:
-        mine = [path for _, path in list_checkpoints(output_dir) if _run_id(path) in (me.run_id, None)]
+        mine = [path for _, path in list_checkpoints(output_dir) if _run_id(path) in (run_id, None)]
         for old in mine[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("saved %s", final)
     accelerator.wait_for_everyone()
-    me.last_save = time.monotonic()
     return final
 
 
@@ -219,10 +193,7 @@ def load_checkpoint(accelerator, path: str, model: dict, per_rank=None, run: dic
                             f"{model.get(flag)}")
     if run is not None:
         check_run(path, state.get("run"), run, ignore_changes)
-    with _frozen_left_out(accelerator, model.get("use_peft"), loading=path) as kwargs:
-        accelerator.load_state(path, **kwargs)
-    for i, t in enumerate(FSDP2_TRAINABLES):
-        fsdp2.load_sharded(t.model, t.optimizer, os.path.join(path, f"fsdp2_{i}"))
+    accelerator.sharding.load(path, lora=bool(model.get("use_peft")))
     rank_file = os.path.join(path, f"rank-{accelerator.process_index}.pt")
     if per_rank is not None and os.path.isfile(rank_file):
         per_rank.load_state_dict(torch.load(rank_file))
@@ -230,150 +201,124 @@ def load_checkpoint(accelerator, path: str, model: dict, per_rank=None, run: dic
     return state
 
 
-def _frozen_names(model) -> set[str]:
-    """State-dict names of the frozen parameters (every name of a tied one)."""
-    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+class Checkpoints:
+    """A run's checkpoints, held by the recipe from its start to its end:
 
+        ckpt = train.Checkpoints(accelerator, cfg.train, flags, per_rank=rollouts)
+        start = ckpt.resume()                       # 0, or the step a checkpoint continues from
+        for step in range(start, total_steps):
+            ...
+            if stop := ckpt.save_if_due(step + 1):  # a stop signal: saved, leave the loop
+                break
 
-@contextlib.contextmanager
-def _frozen_left_out(accelerator, active: bool, loading: str | None = None):
-    """Yields accelerate's save_state (or, `loading` a checkpoint, load_state) keyword arguments that leave frozen
-    parameters out when `active`. DeepSpeed engines do it themselves (exclude_frozen_parameters on save; a
-    non-strict module load, the trainable values coming back from the optimizer's partitions); for plain models a
-    pre-hook drops them from the saved weights, and on load the saved names must be exactly the trainable ones
-    before the model is loaded non-strictly."""
-    from accelerate.utils import SAFE_MODEL_NAME, DistributedType
+    It owns what a run is on disk: its id (recorded in each checkpoint; a resumed run keeps the id of the checkpoint
+    it resumed, and rotation deletes only this run's), the clock of --save_interval_minutes, and the stop signal
+    (train/preemption.py). `flags`: every flag of the run (config.Args.flags), recorded for the resume check;
+    `per_rank`: an object with state_dict()/load_state_dict() whose state differs between processes (Rollouts)."""
 
-    if not active:
-        yield {}
-        return
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    if deepspeed:
-        yield {"load_module_strict": False} if loading else {"exclude_frozen_parameters": True}
-        return
+    def __init__(self, accelerator, cfg: TrainConfig, flags: dict, per_rank=None):
+        self.accelerator, self.cfg, self.flags, self.per_rank = accelerator, cfg, flags, per_rank
+        self.run_id = uuid.uuid4().hex[:12]
+        self.last_save = time.monotonic()
+        self.stop = StopSignal()
 
-    def drop(models, weights, _output_dir):
-        for model, weight in zip(models, weights):
-            for name in _frozen_names(model) & weight.keys():
-                del weight[name]
+    def fingerprint(self) -> dict:
+        return run_fingerprint(self.cfg, self.flags, self.accelerator.sharding.name)
 
-    def check(models, input_dir):
-        from safetensors import safe_open
+    def resume(self) -> int:
+        """The run's start on disk, before its first step:
+        1. what an interrupted save left is swept (output_dir.sweep); a fresh run with --overwrite_output_dir deletes
+           the earlier run's checkpoints and final/ (without it make_accelerator has refused a used --output_dir);
+        2. `--resume_from_checkpoint` ('auto' or a path): every prepared model, optimizer, scheduler and RNG (and
+           `per_rank`'s state) is restored, after checking that the run's model, data and maths flags are the
+           checkpoint's. With 'auto', a checkpoint that does not load (a truncated shard) is skipped for the next
+           older one, with a warning. Checkpoints newer than the one resumed are moved to <output_dir>/superseded/,
+           so that a later 'auto' never returns to them;
+        3. from here on SIGTERM and SIGUSR1 save at the next step boundary and exit (save_if_due), and the clock of
+           --save_interval_minutes starts.
+        Returns the step to continue from, 0 when there is nothing to resume."""
+        accelerator, cfg = self.accelerator, self.cfg
+        if accelerator.is_main_process:
+            sweep(cfg.output_dir)
+            if cfg.overwrite_output_dir:
+                clear(cfg.output_dir)
+        accelerator.wait_for_everyone()
+        path, state = self._restore()
+        if accelerator.is_main_process and path:
+            newer = [p for s, p in list_checkpoints(cfg.output_dir)
+                     if s > state["step"] or s == state["step"] and os.path.realpath(p) != os.path.realpath(path)]
+            for p in set_aside(cfg.output_dir, newer):
+                logger.warning("resumed from %s: the newer %s is moved aside to %s (never resumed; delete it when "
+                               "not needed)", path, os.path.basename(p).split(".")[0], p)
+        accelerator.wait_for_everyone()
+        self.run_id = (state or {}).get("run_id") or self.run_id
+        self.last_save = time.monotonic()
+        self.stop.arm(announce=accelerator.is_main_process)
+        return state["step"] if state else 0
 
-        for i, model in enumerate(models):
-            file = os.path.join(input_dir, f"{SAFE_MODEL_NAME}{f'_{i}' if i else ''}.safetensors")  # as accelerate
-            with safe_open(file, "pt") as f:
-                saved = set(f.keys())
-            expected = set(model.state_dict()) - _frozen_names(model)
-            if saved != expected:
-                raise UserError(f"--resume_from_checkpoint {loading}: {os.path.basename(file)} does not hold this "
-                                f"run's trainable weights (missing {sorted(expected - saved)[:3]}, unexpected "
-                                f"{sorted(saved - expected)[:3]})")
-
-    handle = (accelerator.register_load_state_pre_hook(check) if loading
-              else accelerator.register_save_state_pre_hook(drop))
-    try:
-        yield {"strict": False} if loading else {}
-    finally:
-        handle.remove()
-
-
-def resume(accelerator, cfg: TrainConfig, flags: dict, per_rank=None) -> int:
-    """The run's start on disk, before its first step:
-    1. what an interrupted save left is swept (output_dir.sweep); a fresh run with --overwrite_output_dir deletes
-       the earlier run's checkpoints and final/ (without it make_accelerator has refused a used --output_dir);
-    2. `--resume_from_checkpoint` ('auto' or a path): every prepared model, optimizer, scheduler and RNG (and
-       `per_rank`'s state: save_checkpoint) is restored, after checking that the run's model, data and maths flags
-       (`flags`: every flag of the run, config.Args.flags) are the checkpoint's. With 'auto', a checkpoint that does
-       not load (a truncated shard) is skipped for the next older one, with a warning. Checkpoints newer than the
-       one resumed are moved to <output_dir>/superseded/, so that a later 'auto' never returns to them;
-    3. from here on SIGTERM and SIGUSR1 save at the next step boundary and exit (save_if_due), and the clock of
-       --save_interval_minutes starts.
-    Returns the step to continue from, 0 when there is nothing to resume."""
-    global _RUN
-    if accelerator.is_main_process:
-        sweep(cfg.output_dir)
-        if cfg.overwrite_output_dir:
-            clear(cfg.output_dir)
-    accelerator.wait_for_everyone()
-    path, state = _restore(accelerator, cfg, flags, per_rank)
-    if accelerator.is_main_process and path:
-        newer = [p for s, p in list_checkpoints(cfg.output_dir)
-                 if s > state["step"] or s == state["step"] and os.path.realpath(p) != os.path.realpath(path)]
-        for p in set_aside(cfg.output_dir, newer):
-            logger.warning("resumed from %s: the newer %s is moved aside to %s (never resumed; delete it when not "
-                           "needed)", path, os.path.basename(p).split(".")[0], p)
-    accelerator.wait_for_everyone()
-    _RUN = _Run((state or {}).get("run_id") or uuid.uuid4().hex[:12], time.monotonic())
-    STOP.arm(announce=accelerator.is_main_process)
-    return state["step"] if state else 0
-
-
-def _restore(accelerator, cfg: TrainConfig, flags: dict, per_rank) -> tuple[str | None, dict | None]:
-    """Load the first checkpoint of resolve_resume that loads on every rank -> (its path, its trainer state), or
-    (None, None) when there is none. A model, data or flag mismatch (UserError) stops the run; any other failure to
-    load moves on to the next older checkpoint ('auto' only)."""
-    paths = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
-    failures = []
-    for i, path in enumerate(paths):
-        failure = ""
-        try:
-            state = load_checkpoint(accelerator, path, model_flags(cfg), per_rank,
-                                    run_fingerprint(cfg, flags, sharding(accelerator)), cfg.resume_ignore_changes)
-        except UserError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: what the fallback is for
-            failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            if cfg.resume_from_checkpoint != "auto":
+    def _restore(self) -> tuple[str | None, dict | None]:
+        """Load the first checkpoint of resolve_resume that loads on every rank -> (its path, its trainer state), or
+        (None, None) when there is none. A model, data or flag mismatch (UserError) stops the run; any other failure
+        to load moves on to the next older checkpoint ('auto' only)."""
+        cfg = self.cfg
+        paths = resolve_resume(cfg.output_dir, cfg.resume_from_checkpoint)
+        failures = []
+        for i, path in enumerate(paths):
+            failure = ""
+            try:
+                state = load_checkpoint(self.accelerator, path, model_flags(cfg), self.per_rank, self.fingerprint(),
+                                        cfg.resume_ignore_changes)
+            except UserError:
                 raise
-        if not reduce_metrics({}, {"failed": float(bool(failure))})["failed"]:
-            return path, state
-        failures.append(f"{os.path.basename(path)}: {failure or 'failed on another process'}")
-        logger.warning("--resume_from_checkpoint auto: %s does not load (%s); %s", path,
-                       failure or "failed on another process",
-                       f"trying {paths[i + 1]}" if i + 1 < len(paths) else "no older checkpoint")
-    if failures:
-        raise UserError(f"--resume_from_checkpoint auto: no checkpoint in {cfg.output_dir} loads "
-                        f"({'; '.join(failures)})")
-    return None, None
+            except Exception as e:  # noqa: BLE001 - a truncated or corrupt file: what the fallback is for
+                failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                if cfg.resume_from_checkpoint != "auto":
+                    raise
+            if not reduce_metrics({}, {"failed": float(bool(failure))})["failed"]:
+                return path, state
+            failures.append(f"{os.path.basename(path)}: {failure or 'failed on another process'}")
+            logger.warning("--resume_from_checkpoint auto: %s does not load (%s); %s", path,
+                           failure or "failed on another process",
+                           f"trying {paths[i + 1]}" if i + 1 < len(paths) else "no older checkpoint")
+        if failures:
+            raise UserError(f"--resume_from_checkpoint auto: no checkpoint in {cfg.output_dir} loads "
+                            f"({'; '.join(failures)})")
+        return None, None
 
+    def save(self, step: int) -> str:
+        """Checkpoint `step` now (save_checkpoint), keeping --save_total_limit of this run's checkpoints."""
+        path = save_checkpoint(self.accelerator, self.cfg.output_dir, step, self.cfg.save_total_limit,
+                               model_flags(self.cfg), self.run_id, self.per_rank, self.fingerprint())
+        self.last_save = time.monotonic()
+        return path
 
-def save_if_due(accelerator, cfg: TrainConfig, step: int, flags: dict, per_rank=None) -> int:
-    """The end of optimizer step `step`, on every rank. Checkpoints when it is due: every `--save_steps`, once
-    `--save_interval_minutes` have passed since the last checkpoint (or the start), or when a stop signal reached
-    any rank (preemption); keeps `--save_total_limit` of this run's checkpoints; `flags`: every flag of the run
-    (config.Args.flags), recorded for the resume check; `per_rank`: what each rank saves of its own (Rollouts).
-    Returns the stop signal's number once it is saved (the same on every rank), else 0: the recipe then leaves its
-    loop, skips its export and ends with train.destroy(stop). One small collective per step, so that every rank
-    decides alike."""
-    me = _current()
-    by_time = cfg.save_interval_minutes > 0 and time.monotonic() - me.last_save >= 60 * cfg.save_interval_minutes
-    agreed = reduce_metrics({}, {"stop": float(STOP.received), "time": float(by_time)})
-    stop = int(agreed["stop"])
-    if stop or agreed["time"] or cfg.save_steps and step % cfg.save_steps == 0:
-        path = save_checkpoint(accelerator, cfg.output_dir, step, cfg.save_total_limit, model_flags(cfg), per_rank,
-                               run_fingerprint(cfg, flags, sharding(accelerator)))
-        if stop and accelerator.is_main_process:
-            print(f"stopped by {signal.Signals(stop).name} after step {step}: saved {path}; continue with "
-                  "--resume_from_checkpoint auto", file=sys.stderr, flush=True)
-    return stop
+    def save_if_due(self, step: int) -> int:
+        """The end of optimizer step `step`, on every rank. Checkpoints when it is due: every `--save_steps`, once
+        `--save_interval_minutes` have passed since the last checkpoint (or the start), or when a stop signal reached
+        any rank (preemption). Returns the stop signal's number once it is saved (the same on every rank), else 0:
+        the recipe then leaves its loop, skips its export and ends with train.destroy(stop). One small collective
+        per step, so that every rank decides alike."""
+        cfg = self.cfg
+        by_time = cfg.save_interval_minutes > 0 and time.monotonic() - self.last_save >= 60 * cfg.save_interval_minutes
+        agreed = reduce_metrics({}, {"stop": float(self.stop.received), "time": float(by_time)})
+        stop = int(agreed["stop"])
+        if stop or agreed["time"] or cfg.save_steps and step % cfg.save_steps == 0:
+            path = self.save(step)
+            if stop and self.accelerator.is_main_process:
+                print(f"stopped by {signal.Signals(stop).name} after step {step}: saved {path}; continue with "
+                      "--resume_from_checkpoint auto", file=sys.stderr, flush=True)
+        return stop
 
 
 def run_fingerprint(cfg: TrainConfig, flags: dict, sharding: str = "none") -> dict:
     """What a resumed run must share with the checkpoint to continue the same training: `data`, the content hash of
     the train split (data.split_fingerprint: the rows, in order, whatever the file is called), `flags`, every
     flag of the run (`flags`) but MODEL_FLAGS (checked on their own) and FREE_FLAGS, JSON values, and `sharding`
-    (distributed.sharding: the backend that wrote the model and optimizer files)."""
+    (Sharding.name: the backend that wrote the model and optimizer files)."""
     kept = {k: v for k, v in flags.items() if k not in FREE_FLAGS and k not in MODEL_FLAGS}
     return {"data": split_fingerprint(cfg.dataset_name, cfg.dataset_train_split, cfg.dataset_config),
             "data_source": f"{cfg.dataset_name} {cfg.dataset_train_split}", "flags": json.loads(json.dumps(kept)),
             "sharding": sharding}
-
-
-def _layout(sharding: str) -> str:
-    """The checkpoint files a sharding writes: torch distributed checkpoint shards (FSDP2), DeepSpeed's engine
-    files (any ZeRO stage), or accelerate's whole-model files (one process, DDP: interchangeable)."""
-    return "fsdp2" if sharding == "fsdp2" else "deepspeed" if sharding.startswith("zero") else "accelerate"
 
 
 def run_changes(saved: dict | None, now: dict) -> list[str]:
@@ -386,7 +331,7 @@ def run_changes(saved: dict | None, now: dict) -> list[str]:
     if saved.get("data") != now["data"]:
         out.append(f"the training data ({saved.get('data_source')} rows hash {saved.get('data')} -> "
                    f"{now['data_source']} {now['data']})")
-    if "sharding" in saved and _layout(saved["sharding"]) != _layout(now["sharding"]):
+    if "sharding" in saved and layout_of(saved["sharding"]) != layout_of(now["sharding"]):
         out.append(f"the sharding ({saved['sharding']} -> {now['sharding']}: the accelerate config; its model and "
                    "optimizer files do not load under the other)")
     out += [f"--{k} {v} -> {now['flags'].get(k)}" for k, v in saved.get("flags", {}).items()

@@ -1,12 +1,9 @@
-"""Accelerator setup and the few collectives the recipes need. The same accelerate config file runs on CPU and GPU:
-the process group uses gloo when there is no CUDA (accelerate and DeepSpeed otherwise disagree on the world size),
-and every collective carries a timeout so a lost peer fails the run instead of hanging it."""
+"""The few collectives the recipes need (each under the process group's timeout: train/accelerator.py), the data
+position as a function of the step, the split of a step into micro-batches, and the run's last call (destroy)."""
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import datetime
 import logging
 import os
 import sys
@@ -17,85 +14,8 @@ import torch
 
 from verl_kit.config import TrainConfig
 from verl_kit.data.packing import split_by_tokens
-from verl_kit.errors import UserError
-from verl_kit.metrics import check_writable, setup_logging
-from verl_kit.models import fsdp2
-from verl_kit.train.output_dir import check_output_dir
 
 logger = logging.getLogger(__name__)
-
-
-def trackers(cfg: TrainConfig) -> list[str]:
-    """--report_to checked against what is installed: a tracker named but not installed stops the run in one line
-    (accelerate would drop it with a debug message), and `all` means every installed one."""
-    from accelerate.tracking import get_available_trackers
-
-    available = [str(getattr(t, "value", t)) for t in get_available_trackers()]
-    if cfg.trackers == ["all"]:
-        return available
-    missing = [t for t in cfg.trackers if t not in available]
-    if missing:
-        raise UserError(f"--report_to {cfg.report_to}: {', '.join(missing)} not installed "
-                        f"(pip install {' '.join(m.replace('_', '-') for m in missing)}); installed: "
-                        f"{', '.join(available) or 'none'}")
-    return cfg.trackers
-
-
-def make_accelerator(cfg: TrainConfig):
-    """Start a run from a recipe config (TrainConfig fields): build the Accelerator, set up logging (INFO on the main
-    process) and check that --output_dir is writable and not another run's (output_dir.check_output_dir). Gradient
-    accumulation is done by the recipe (token-budget micro-batches vary in number), so accelerate and DeepSpeed are
-    told 1 and never rescale the loss."""
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
-
-    cuda = torch.cuda.is_available()
-    bf16 = cuda if cfg.bf16 is None else cfg.bf16
-    pg = InitProcessGroupKwargs(backend="nccl" if cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    # FSDP2: accelerate sets up a plain multi-process run and the kit shards the models itself (models/fsdp2.py)
-    with fsdp2.hidden_from_accelerate() if fsdp2.enabled() else contextlib.nullcontext():
-        accelerator = Accelerator(
-            # Without CUDA, accelerate only picks its multi-process CPU mode (gloo) when told `cpu`; otherwise a
-            # MULTI_GPU config silently runs N independent single processes.
-            cpu=not cuda and world > 1 and not deepspeed,
-            mixed_precision="bf16" if bf16 else "no",
-            gradient_accumulation_steps=1,
-            kwargs_handlers=[pg] if world > 1 else [],
-            log_with=trackers(cfg) or None,
-            project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
-        )
-    if world > 1 and accelerator.num_processes == 1 or world > 1 and accelerator.distributed_type.value == "NO":
-        raise RuntimeError(f"launched with WORLD_SIZE={world} but accelerate set up no distributed backend "
-                           f"({accelerator.distributed_type}); check the accelerate config")
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None:  # fill the "auto" fields that accelerate would take from a dataloader
-        ds = plugin.deepspeed_config
-        ds["train_micro_batch_size_per_gpu"] = cfg.per_device_train_batch_size
-        ds["gradient_accumulation_steps"] = 1
-        ds["train_batch_size"] = cfg.per_device_train_batch_size * accelerator.num_processes
-        ds["gradient_clipping"] = cfg.max_grad_norm
-    set_seed(cfg.seed)
-    setup_logging(accelerator.is_main_process)
-    check_writable(cfg.output_dir)
-    check_output_dir(cfg)  # a fresh run refuses another run's checkpoints, before anything loads
-    return accelerator
-
-
-def zero_stage(accelerator) -> int:
-    plugin = accelerator.state.deepspeed_plugin
-    return 0 if plugin is None else int(plugin.zero_stage)
-
-
-def sharding(accelerator) -> str:
-    """How the run places its models: "fsdp2", "zero<stage>" (DeepSpeed), "ddp" (several processes) or "none"."""
-    if fsdp2.enabled() and accelerator.num_processes > 1:
-        return "fsdp2"
-    if accelerator.state.deepspeed_plugin is not None:
-        return f"zero{zero_stage(accelerator)}"
-    return "ddp" if accelerator.num_processes > 1 else "none"
 
 
 def _collective_device() -> torch.device:
@@ -227,22 +147,6 @@ def destroy(stop: int = 0) -> None:
             os._exit(exit_code)
     if exit_code:
         sys.exit(exit_code)
-
-
-def size_metrics(model, world_size: int) -> dict:
-    """What the offline recipes log at step 0 of a run: world_size, params/total (the whole model's parameters) and
-    params/local (those this rank holds: about total / world under ZeRO-3 or FSDP2)."""
-    local, total = param_counts(model)
-    return {"world_size": world_size, "params/total": total, "params/local": local}
-
-
-def param_counts(model) -> tuple[int, int]:
-    """(parameters held by this rank, parameters of the whole model). Under ZeRO-3 a parameter's local shard is
-    `ds_tensor` and its full size `ds_numel`; under FSDP2 a DTensor's local shard; otherwise every rank holds
-    everything."""
-    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else fsdp2.local_numel(p) for p in model.parameters())
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    return local, total
 
 
 def micro_batches(cfg: TrainConfig, items: list, costs: list[int]) -> list[list]:

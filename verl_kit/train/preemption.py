@@ -1,7 +1,8 @@
 """Preemption: SIGTERM (Slurm, Kubernetes, `timeout`, `ray job stop`, `kill`) and SIGUSR1 (Slurm's early warning,
-`sbatch --signal=USR1@120`) ask a run to stop. The handler only notes the signal: at the next step boundary
-(checkpoint.save_if_due, one collective per step) every rank learns that one of them got it, they save a complete
-checkpoint together and exit with 128 + the signal's number, as a shell reports a process ended by that signal. The
+`sbatch --signal=USR1@120`) ask a run to stop. The handler only notes the signal (the run's StopSignal, held by its
+train.Checkpoints): at the next step boundary (Checkpoints.save_if_due, one collective per step) every rank learns
+that one of them got it, they save a complete checkpoint together and exit with 128 + the signal's number, as a shell
+reports a process ended by that signal. The
 first signal puts the default action back, so a second one ends the process at once, mid-step or mid-save (a
 checkpoint being written is a temporary until it is complete). Megatron's `--exit-signal-handler` and Lightning's
 SIGTERM handling work the same way."""
@@ -45,5 +46,3 @@ class StopSignal:
             logger.warning("%s received: saving a checkpoint at the end of this step, then exiting (send it again to "
                            "exit at once, without saving)", signal.Signals(signum).name)
 
-
-STOP = StopSignal()
