@@ -115,11 +115,12 @@ def main():
                                    cfg.train.per_device_eval_batch_size) if cfg.rewards.any else None)
     rollouts = rollout.make_rollouts(cfg.rollout, cfg.vllm, None, cfg.train, accelerator, actor.unwrapped(),
                                      model_path, tokenizer, prompts, total_steps, dist.num_generations)
-    ckpt = train.Checkpoints(accelerator, cfg.train, flags, per_rank=rollouts)  # its id, save clock, stop signal
+    # its checkpoints: the run's id, save clock and stop signal, and the flags a resume must find unchanged
+    ckpt = train.Checkpoints(accelerator, cfg.train, cfg.resume_checked(), per_rank=rollouts)
     start = ckpt.resume()  # 0 unless --resume_from_checkpoint
     rollouts.load_weights(actor.unwrapped(), version=start)  # the engine samples from the (restored) student
     log = MetricsLogger(accelerator, cfg.train.output_dir, total_steps, start, flags, cfg.train.run_name)
-    correct = train.OffPolicyCorrection(cfg.ratio, cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
+    correct = train.OffPolicyCorrection(cfg.ratio, cfg.rollout.backend)  # engine samples: weight by pi_old / mu
 
     def evaluate() -> dict:
         """Held out: the task reward (its accuracy where the task has an answer) and the per-token reverse KL

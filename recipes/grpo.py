@@ -125,13 +125,14 @@ def main():
     # the --rollout backend (episodes with --environment_factory, --tools or --agent), synchronous or ahead
     rollouts = rollout.make_rollouts(cfg.rollout, cfg.vllm, cfg.env, cfg.train, accelerator, actor.unwrapped(),
                                      model_path, tokenizer, prompts, total_steps, grpo.num_generations)
-    ckpt = train.Checkpoints(accelerator, cfg.train, flags, per_rank=rollouts)  # its id, save clock, stop signal
+    # its checkpoints: the run's id, save clock and stop signal, and the flags a resume must find unchanged
+    ckpt = train.Checkpoints(accelerator, cfg.train, cfg.resume_checked(), per_rank=rollouts)
     start = ckpt.resume()  # 0 unless --resume_from_checkpoint
     rollouts.load_weights(actor.unwrapped(), version=start)  # the engine samples from the (restored) actor
     log = MetricsLogger(accelerator, cfg.train.output_dir, total_steps, start, flags, cfg.train.run_name)
     # the loss: TRL's --loss_type names a surrogate and the reduction it implies (algos.policy.POLICY_LOSSES)
     policy_loss = algos.POLICY_LOSSES[grpo.loss_type]
-    correct = train.OffPolicyCorrection(cfg.ratio, cfg.rollout.rollout)  # engine samples: weight by pi_old / mu
+    correct = train.OffPolicyCorrection(cfg.ratio, cfg.rollout.backend)  # engine samples: weight by pi_old / mu
 
     def evaluate():  # held out: --num_generations_eval responses per prompt, same rewards, no KL term
         return rollouts.evaluate(accelerator, held_out, reward.of_rollout, cfg.rollout.prompts_per_step // world)

@@ -110,7 +110,8 @@ def main():
                                    "reference train")
     ref_test = score(test, kl_test, "reference test") if test else None
 
-    ckpt = train.Checkpoints(accelerator, tc, flags)  # its id, save clock, stop signal
+    # its checkpoints: the run's id, save clock and stop signal, and the flags a resume must find unchanged
+    ckpt = train.Checkpoints(accelerator, tc, cfg.resume_checked())
     start = ckpt.resume()  # 0 unless --resume_from_checkpoint
     log = MetricsLogger(accelerator, tc.output_dir, total_steps, start, flags, tc.run_name)
 

@@ -64,7 +64,8 @@ def main():
     total_steps = tc.total_steps(len(pairs), per_step)
     rm = train.Trainable(accelerator, model, tc, tc.learning_rate, total_steps)
 
-    ckpt = train.Checkpoints(accelerator, tc, flags)  # its id, save clock, stop signal
+    # its checkpoints: the run's id, save clock and stop signal, and the flags a resume must find unchanged
+    ckpt = train.Checkpoints(accelerator, tc, cfg.resume_checked())
     start = ckpt.resume()  # 0 unless --resume_from_checkpoint
     log = MetricsLogger(accelerator, tc.output_dir, total_steps, start, flags, tc.run_name)
 

@@ -36,12 +36,42 @@ def warn(message: str) -> None:
         logger.warning(message)
 
 
+# A flag's resume rule, declared by its config class beside its fields (`RESUME`, as `CHOICES` declares allowed
+# values; a field's metadata cannot hold it: HfArgumentParser hands every metadata key to argparse). None: "checked".
+#   "free"     a resume may change it: where the run writes, how often it logs, evaluates or saves, how long it waits,
+#              how it evaluates, and how it splits or runs the same sums (micro-batches, packing, engine memory)
+#   "model"    what the saved weights are: a checkpoint resumed under another value would load its base weights and
+#              adapter into a run that means another model; refused, with no override
+#   "checked"  the maths: the checkpoint records it and a resume with another value is refused (--resume_ignore_changes
+#              overrides). A new flag is checked unless its class says otherwise.
+RESUME_RULES = ("free", "model", "checked")
+
+
+def resume_rules(config_cls) -> dict[str, str]:
+    """{field name: resume rule} of every field of `config_cls`, from RESUME of the class and its bases."""
+    declared = {}
+    for klass in reversed(config_cls.__mro__):
+        declared.update(vars(klass).get("RESUME", {}))
+    names = [f.name for f in dataclasses.fields(config_cls)]
+    wrong = {k: v for k, v in declared.items() if k not in names or v not in RESUME_RULES}
+    if wrong:
+        raise ValueError(f"{config_cls.__name__}.RESUME: {wrong} (rules: {RESUME_RULES}, for its own fields)")
+    return {n: declared.get(n, "checked") for n in names}
+
+
+def flags_with_rule(config: Config, rule: str) -> dict:
+    """The flags of one config piece whose resume rule is `rule`, with their values, in field order."""
+    rules = resume_rules(type(config))
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if rules[f.name] == rule}
+
+
 @dataclass
 class Config:
     """The base of every config class: `CHOICES` names the allowed values of a field (a subclass adds its own);
     `__post_init__` checks every field's type (yaml values bypass argparse's conversion) and allowed values."""
 
     CHOICES: ClassVar[dict] = {}
+    RESUME: ClassVar[dict] = {}  # field name -> resume rule (see RESUME_RULES); unnamed fields are "checked"
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -68,6 +98,14 @@ class TrainConfig(Config):
     micro-batches, checkpoints and logging; named as in transformers/TRL so that existing configs carry over."""
 
     CHOICES: ClassVar[dict] = {"attn_implementation": (None, "sdpa", "eager", "flash_attention_2")}
+    RESUME: ClassVar[dict] = {
+        **dict.fromkeys(("model_name_or_path", "use_peft", "lora_r", "lora_target_modules"), "model"),
+        **dict.fromkeys(("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split",
+            "output_dir", "max_steps", "num_train_epochs", "per_device_eval_batch_size", "packing",
+            "packing_length", "max_tokens_per_microbatch", "gradient_checkpointing", "attn_implementation",
+            "logging_steps", "eval_steps", "save_steps", "save_interval_minutes", "save_total_limit",
+            "overwrite_output_dir", "resume_from_checkpoint", "resume_ignore_changes", "report_to", "run_name",
+            "collective_timeout_s"), "free")}
 
     model_name_or_path: str = field(default=TINY_MODEL_NAME, metadata={
         "help": "HF model id or local path; 'tiny-llama' builds the embedded tiny model offline on first use"})
@@ -184,16 +222,40 @@ class OfflineConfig(TrainConfig):
         self.at_least(1, "gradient_accumulation_steps")
 
 
+@dataclass(frozen=True)
+class RolloutBackendFacts:
+    """What the flags need to know of a `--rollout` backend, declared once per backend (the backends themselves live
+    in rollout/, which config does not import; rollout.backends.make_backend maps each name to its class).
+    `shares_trainer_process`: it generates in the trainer's process, on its cores (so nothing can overlap the
+    update: no --async_rollout); `trainer_numerics`: it samples with the trainer's own numerics (its log-probs are
+    the trainer's, so no importance correction); `vllm`: it reads the --vllm_* flags."""
+
+    name: str
+    help: str
+    shares_trainer_process: bool
+    trainer_numerics: bool
+    vllm: bool
+
+
+ROLLOUT_BACKENDS = {b.name: b for b in (
+    RolloutBackendFacts("hf", "HF generate", shares_trainer_process=True, trainer_numerics=True, vllm=False),
+    RolloutBackendFacts("vllm", "a vLLM engine in each training process", shares_trainer_process=False,
+                        trainer_numerics=False, vllm=True),
+    RolloutBackendFacts("vllm-server", "a vLLM server (--vllm_server_url, or one the run starts)",
+                        shares_trainer_process=False, trainer_numerics=False, vllm=True))}
+
+
 @dataclass
 class RolloutConfig(Config):
     """How the online recipes sample: prompts per step, the sampling settings, the `--rollout` backend, rollouts
     generated ahead of the trainer (`--async_rollout`) and the held-out evaluation's sampling. A step is
     `prompts_per_step` prompts over all processes; the recipe's own class says how many responses each gets."""
 
-    CHOICES: ClassVar[dict] = {"rollout": ("hf", "vllm", "vllm-server")}  # the one list of backend names
+    CHOICES: ClassVar[dict] = {"rollout": tuple(ROLLOUT_BACKENDS)}  # the one list of backend names
+    RESUME: ClassVar[dict] = dict.fromkeys(("rollout_timeout_s", "num_generations_eval", "pass_threshold"), "free")
 
     rollout: str = field(default="hf", metadata={
-        "help": "hf (HF generate), vllm (a vLLM engine in each training process) or vllm-server"})
+        "help": "; ".join(f"{b.name}: {b.help}" for b in ROLLOUT_BACKENDS.values())})
     prompts_per_step: int = field(default=32, metadata={"help": "prompts per step over all processes"})
     max_completion_length: int = field(default=16, metadata={"help": "max new tokens per response"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (also applied to log-probs)"})
@@ -217,12 +279,17 @@ class RolloutConfig(Config):
         super().__post_init__()
         self.at_least(1, "prompts_per_step", "max_completion_length", "num_generations_eval")
         self.at_least(0, "max_staleness")
-        if self.async_rollout and self.rollout == "hf":
-            raise UserError("--async_rollout needs --rollout vllm or vllm-server (HF generate shares the trainer's "
+        if self.async_rollout and self.backend.shares_trainer_process:
+            apart = " or ".join(n for n, b in ROLLOUT_BACKENDS.items() if not b.shares_trainer_process)
+            raise UserError(f"--async_rollout needs --rollout {apart} ({self.backend.help} shares the trainer's "
                             "process and cores)")
         world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch (and so by make cluster-run)
         if self.prompts_per_step % world:
             raise UserError(f"--prompts_per_step {self.prompts_per_step} must be a multiple of the {world} processes")
+
+    @property
+    def backend(self) -> RolloutBackendFacts:
+        return ROLLOUT_BACKENDS[self.rollout]
 
     def check_with(self, cfg: Args) -> None:
         train = cfg.of(TrainConfig)
@@ -244,6 +311,9 @@ class VLLMConfig(Config):
     """The vLLM backends' engine, server, weight sync and probe (`--rollout vllm` or `vllm-server`)."""
 
     CHOICES: ClassVar[dict] = {"vllm_weight_sync_transport": ("auto", "inline")}
+    RESUME: ClassVar[dict] = dict.fromkeys(("vllm_server_url", "vllm_gpu_memory_utilization",
+        "vllm_max_num_seqs", "vllm_enable_sleep_mode", "vllm_kv_cache_gib", "vllm_sync_bucket_mb",
+        "vllm_sync_timeout_s", "vllm_weight_sync_transport", "vllm_probe_size", "vllm_probe_threshold"), "free")
 
     vllm_server_url: str | None = field(default=None, metadata={
         "help": "vllm-server: URL of a running server (`make vllm-serve`); unset: the run starts one on 127.0.0.1"})
@@ -276,13 +346,15 @@ class VLLMConfig(Config):
             raise UserError("--async_rollout keeps the engine generating during the update: it cannot sleep "
                             "(--vllm_enable_sleep_mode)")
         changed = [f"--{f.name}" for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
-        if rollout and rollout.rollout == "hf" and changed:
-            warn(f"{', '.join(changed)}: no effect with --rollout hf")
+        if rollout and not rollout.backend.vllm and changed:
+            warn(f"{', '.join(changed)}: no effect with --rollout {rollout.rollout}")
 
 
 @dataclass
 class EnvironmentConfig(Config):
     """Multi-turn episodes (docs/environments.md): an environment class or tool functions, TRL's API."""
+
+    RESUME: ClassVar[dict] = dict.fromkeys(("env_timeout_s", "max_failed_steps"), "free")
 
     environment_factory: str | None = field(default=None, metadata={
         "help": "multi-turn episodes (docs/environments.md): module:Class or path/to/file.py:Class, one instance per "
@@ -339,6 +411,8 @@ class EnvironmentConfig(Config):
 @dataclass
 class RewardConfig(Config):
     """How a response is scored: reward functions and/or a reward model, weighted, with their limits."""
+
+    RESUME: ClassVar[dict] = dict.fromkeys(("reward_timeout_s", "reward_max_concurrency"), "free")
 
     reward_fn: str | None = field(default="verl_kit.rewards:kind_reply", metadata={
         "help": "comma-separated reward functions, module:function or path/to/file.py:function"})
@@ -418,13 +492,14 @@ class RatioConfig(Config):
         rollout = cfg.of(RolloutConfig)
         if rollout and self.old_logprobs == "rollout" and rollout.truncated_sampling:
             raise UserError("--old_logprobs rollout needs --top_p 1.0 and --top_k 0 (else sampling log-probs differ)")
-        if rollout and self.importance_sampling(rollout.rollout) and rollout.truncated_sampling:
+        if rollout and self.importance_sampling(rollout.backend) and rollout.truncated_sampling:
             raise UserError("--vllm_importance_sampling_correction needs --top_p 1.0 and --top_k 0 (the trainer's "
                             "log-probs are of the untruncated policy); or set it false")
 
-    def importance_sampling(self, backend: str) -> bool:
-        """The correction applies: samples from a vLLM engine (HF generate samples with the trainer's own numerics)."""
-        return self.vllm_importance_sampling_correction and backend != "hf"
+    def importance_sampling(self, backend: RolloutBackendFacts) -> bool:
+        """The correction applies: samples from an engine with numerics of its own (a vLLM engine; HF generate
+        samples with the trainer's)."""
+        return self.vllm_importance_sampling_correction and not backend.trainer_numerics
 
     def importance_sampling_args(self) -> dict:
         """The keyword arguments of algos.off_policy's importance_weights and mismatch_metrics."""
@@ -448,8 +523,14 @@ class Args:
         return next((p for p in self.pieces.values() if isinstance(p, cls)), None)
 
     def flags(self) -> dict:
-        """Every flag and its value, as on the command line (metrics, trackers, the resume fingerprint)."""
+        """Every flag and its value, as on the command line (metrics, trackers)."""
         return {k: v for p in self.pieces.values() for k, v in dataclasses.asdict(p).items()}
+
+    def resume_checked(self) -> dict:
+        """The flags whose field's resume rule is "checked" (the maths), JSON values: what a checkpoint records and a
+        resume compares (train.Checkpoints). The "model" ones are checked on their own (train.model_flags)."""
+        return json.loads(json.dumps({k: v for p in self.pieces.values()
+                                      for k, v in flags_with_rule(p, "checked").items()}))
 
 
 def choices(config_cls) -> dict[str, tuple]:

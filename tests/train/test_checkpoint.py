@@ -23,7 +23,7 @@ def test_resume_changes_and_the_override(tmp_path):
 
     def fingerprint(argv):
         cfg = parse(argv, **sft)
-        return run_fingerprint(cfg.train, cfg.flags())
+        return run_fingerprint(cfg.train, cfg.resume_checked())
 
     for name in ("a.jsonl", "b.jsonl", "c.jsonl"):
         shutil.copy(f"{TINY_SFT}/train.jsonl", tmp_path / name)
@@ -52,7 +52,7 @@ def test_resume_refuses_another_sharding():
     from verl_kit.train import run_changes, run_fingerprint
 
     cfg = parse([], **recipe_args("sft.py"))
-    fp = {s: run_fingerprint(cfg.train, cfg.flags(), s) for s in ("none", "ddp", "zero2", "zero3", "fsdp2")}
+    fp = {s: run_fingerprint(cfg.train, cfg.resume_checked(), s) for s in ("none", "ddp", "zero2", "zero3", "fsdp2")}
     assert run_changes(fp["zero3"], fp["fsdp2"]) == ["the sharding (zero3 -> fsdp2: the accelerate config; its model "
                                                      "and optimizer files do not load under the other)"]
     assert run_changes(fp["fsdp2"], fp["ddp"]) and run_changes(fp["none"], fp["fsdp2"])

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from verl_kit.algos.off_policy import importance_weights, mismatch_metrics
-from verl_kit.config import RatioConfig, TrainConfig
+from verl_kit.config import RatioConfig, RolloutBackendFacts, TrainConfig
 from verl_kit.data.packing import TokenBatch, layout
 from verl_kit.models.loading import pretrained, quiet_load, resolve_attn_implementation, uses_block_mask
 from verl_kit.train.lm_head import head_divergence, head_logprobs, scored_logits
@@ -184,9 +184,10 @@ class OffPolicyCorrection:
     """The engine sampled from mu, not from the trainer's pi_old (a vLLM engine's numerics; a one-step-off batch):
     each token's loss is weighted by pi_old / mu (algos.off_policy.importance_weights, --vllm_importance_sampling_*)
     and the mismatch measured (algos.off_policy.mismatch_metrics), as `cfg` (--vllm_importance_sampling_*) says for
-    the `backend` (--rollout): not for HF generate, which samples with the trainer's numerics."""
+    the `backend` (RolloutConfig.backend, the facts of --rollout): not for HF generate, which samples with the
+    trainer's numerics."""
 
-    def __init__(self, cfg: RatioConfig, backend: str):
+    def __init__(self, cfg: RatioConfig, backend: RolloutBackendFacts):
         self.on, self.args = cfg.importance_sampling(backend), cfg.importance_sampling_args()
 
     def __call__(self, loss: torch.Tensor, old: torch.Tensor, ro, ix: ResponseIndex, device, tally,

@@ -28,7 +28,7 @@ import uuid
 
 import torch
 
-from verl_kit.config import TrainConfig
+from verl_kit.config import TrainConfig, flags_with_rule, resume_rules
 from verl_kit.data.datasets import split_fingerprint
 from verl_kit.durable import fsync_tree, replace_dir, write_failure
 from verl_kit.errors import UserError
@@ -39,23 +39,9 @@ from verl_kit.train.preemption import StopSignal
 from verl_kit.train.sharding import layout_of
 
 logger = logging.getLogger(__name__)
-# What the saved weights are: a checkpoint resumed under other values would load its base weights and adapter into a
-# run that means another model (or fail deep inside load_state on mismatched shapes).
-MODEL_FLAGS = ("model_name_or_path", "use_peft", "lora_r", "lora_target_modules")
-# What a resume may change freely: where the run writes, how often it logs, evaluates or saves, how long it waits,
-# how it evaluates, and how it splits or runs the same sums (micro-batches, packing, engine memory). Every other flag
-# of the recipe's config changes the maths: the checkpoint records its value and a resume with another value is
-# refused (--resume_ignore_changes overrides). A flag added later is checked unless it is listed here.
-FREE_FLAGS = frozenset({
-    "output_dir", "resume_from_checkpoint", "resume_ignore_changes", "max_steps", "num_train_epochs", "logging_steps",
-    "eval_steps", "save_steps", "save_interval_minutes", "save_total_limit", "overwrite_output_dir", "report_to",
-    "run_name", "collective_timeout_s", "max_failed_steps", "env_timeout_s",
-    "per_device_eval_batch_size", "dataset_test_split", "gradient_checkpointing", "attn_implementation", "packing",
-    "packing_length", "max_tokens_per_microbatch", "num_generations_eval", "pass_threshold", "rollout_timeout_s",
-    "reward_timeout_s", "reward_max_concurrency", "vllm_server_url", "vllm_gpu_memory_utilization",
-    "vllm_max_num_seqs", "vllm_enable_sleep_mode", "vllm_kv_cache_gib", "vllm_sync_bucket_mb", "vllm_sync_timeout_s",
-    "vllm_weight_sync_transport", "vllm_probe_size", "vllm_probe_threshold",
-    "dataset_name", "dataset_config", "dataset_train_split"})  # the data itself is compared by its rows' hash
+# What the saved weights are (the TrainConfig flags whose resume rule is "model", config.RESUME_RULES): checked on
+# their own, with no override.
+MODEL_FLAGS = tuple(name for name, rule in resume_rules(TrainConfig).items() if rule == "model")
 
 
 def resolve_resume(output_dir: str, resume: str | None) -> list[str]:
@@ -213,7 +199,7 @@ class Checkpoints:
 
     It owns what a run is on disk: its id (recorded in each checkpoint; a resumed run keeps the id of the checkpoint
     it resumed, and rotation deletes only this run's), the clock of --save_interval_minutes, and the stop signal
-    (train/preemption.py). `flags`: every flag of the run (config.Args.flags), recorded for the resume check;
+    (train/preemption.py). `flags`: the run's flags a resume compares (config.Args.resume_checked);
     `per_rank`: an object with state_dict()/load_state_dict() whose state differs between processes (Rollouts)."""
 
     def __init__(self, accelerator, cfg: TrainConfig, flags: dict, per_rank=None):
@@ -312,12 +298,12 @@ class Checkpoints:
 
 def run_fingerprint(cfg: TrainConfig, flags: dict, sharding: str = "none") -> dict:
     """What a resumed run must share with the checkpoint to continue the same training: `data`, the content hash of
-    the train split (data.split_fingerprint: the rows, in order, whatever the file is called), `flags`, every
-    flag of the run (`flags`) but MODEL_FLAGS (checked on their own) and FREE_FLAGS, JSON values, and `sharding`
-    (Sharding.name: the backend that wrote the model and optimizer files)."""
-    kept = {k: v for k, v in flags.items() if k not in FREE_FLAGS and k not in MODEL_FLAGS}
+    the train split (data.split_fingerprint: the rows, in order, whatever the file is called), `flags`, the flags
+    whose field's resume rule is "checked" (config.Args.resume_checked; the "model" ones are checked on their own,
+    the "free" ones not at all), JSON values, and `sharding` (Sharding.name: the backend that wrote the model and
+    optimizer files)."""
     return {"data": split_fingerprint(cfg.dataset_name, cfg.dataset_train_split, cfg.dataset_config),
-            "data_source": f"{cfg.dataset_name} {cfg.dataset_train_split}", "flags": json.loads(json.dumps(kept)),
+            "data_source": f"{cfg.dataset_name} {cfg.dataset_train_split}", "flags": json.loads(json.dumps(flags)),
             "sharding": sharding}
 
 
@@ -352,4 +338,5 @@ def check_run(path: str, saved: dict | None, now: dict, ignore_changes: bool) ->
 
 
 def model_flags(cfg: TrainConfig) -> dict:
-    return {flag: getattr(cfg, flag) for flag in MODEL_FLAGS}
+    """The values of the flags that say what the saved weights are (resume rule "model")."""
+    return flags_with_rule(cfg, "model")
