@@ -113,8 +113,9 @@ def main():
     packed = train.ResponsePacker(cfg.train, tokenizer.pad_token_id, actor.unwrapped(), cfg.rollout.temperature)
     reward = (rewards.make_rewards(cfg.rewards, accelerator, tokenizer, cfg.train.max_length,
                                    cfg.train.per_device_eval_batch_size) if cfg.rewards.any else None)
-    rollouts = rollout.make_rollouts(cfg.rollout, cfg.vllm, None, cfg.train, accelerator, actor.unwrapped(),
-                                     model_path, tokenizer, prompts, total_steps, dist.num_generations)
+    rollouts = rollout.make_rollouts(accelerator, actor.unwrapped(), tokenizer, prompts, rollout=cfg.rollout,
+                                     vllm=cfg.vllm, train=cfg.train, model_path=model_path, total_steps=total_steps,
+                                     num_generations=dist.num_generations)
     # its checkpoints: the run's id, save clock and stop signal, and the flags a resume must find unchanged
     ckpt = train.Checkpoints(accelerator, cfg.train, cfg.resume_checked(), per_rank=rollouts)
     start = ckpt.resume()  # 0 unless --resume_from_checkpoint

@@ -98,8 +98,9 @@ def main():
     reward = rewards.make_rewards(cfg.rewards, accelerator, tokenizer, cfg.train.max_length,
                                   cfg.train.per_device_eval_batch_size, cfg.env.episode_reward)
     # the --rollout backend (episodes with --environment_factory, --tools or --agent), synchronous or ahead
-    rollouts = rollout.make_rollouts(cfg.rollout, cfg.vllm, cfg.env, cfg.train, accelerator, actor.unwrapped(),
-                                     model_path, tokenizer, prompts, total_steps, ppo.num_generations)
+    rollouts = rollout.make_rollouts(accelerator, actor.unwrapped(), tokenizer, prompts, rollout=cfg.rollout,
+                                     vllm=cfg.vllm, train=cfg.train, model_path=model_path, total_steps=total_steps,
+                                     num_generations=ppo.num_generations, env=cfg.env)
     # its checkpoints: the run's id, save clock and stop signal, and the flags a resume must find unchanged
     ckpt = train.Checkpoints(accelerator, cfg.train, cfg.resume_checked(), per_rank=rollouts)
     start = ckpt.resume()  # 0 unless --resume_from_checkpoint

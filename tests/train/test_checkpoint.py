@@ -59,3 +59,39 @@ def test_resume_refuses_another_sharding():
     assert run_changes(fp["none"], fp["ddp"]) == run_changes(fp["zero2"], fp["zero3"]) == []
     older = {k: v for k, v in fp["zero3"].items() if k != "sharding"}
     assert run_changes(older, fp["fsdp2"]) == []
+
+
+def test_resume_rules_are_declared_by_the_config_classes():
+    """Whether a resume may change a flag is declared by its config class (config.RESUME, beside CHOICES), not in a
+    list kept elsewhere: the checkpoint records exactly the "checked" flags (Args.resume_checked), the "model" ones
+    are MODEL_FLAGS, a flag no class names is checked, and a rule for a field the class lacks is refused."""
+    from dataclasses import dataclass, field
+    from typing import ClassVar
+
+    from verl_kit import config
+    from verl_kit.train import MODEL_FLAGS, model_flags
+
+    cfg = parse([], **recipe_args("grpo.py"))
+    checked = cfg.resume_checked()
+    assert {"learning_rate", "seed", "beta", "temperature", "num_generations", "reward_fn"} <= checked.keys()
+    assert not {"output_dir", "logging_steps", "vllm_sync_timeout_s", "env_timeout_s", "reward_timeout_s",
+                "packing", "model_name_or_path", "use_peft"} & checked.keys()
+    assert MODEL_FLAGS == ("model_name_or_path", "use_peft", "lora_r", "lora_target_modules")
+    assert model_flags(cfg.train) == {f: getattr(cfg.train, f) for f in MODEL_FLAGS}
+    every = set(cfg.flags())
+    free = {k for p in cfg.pieces.values() for k in config.flags_with_rule(p, "free")}
+    assert every == set(checked) | free | set(MODEL_FLAGS) and not set(checked) & free
+
+    @dataclass
+    class Added(config.TrainConfig):  # a copied recipe's new flag: checked unless its class says otherwise
+        my_knob: int = field(default=1, metadata={"help": "x"})
+
+    assert config.resume_rules(Added)["my_knob"] == "checked" and config.resume_rules(Added)["output_dir"] == "free"
+
+    @dataclass
+    class Wrong(config.Config):
+        RESUME: ClassVar[dict] = {"not_a_field": "free"}
+        knob: int = field(default=1, metadata={"help": "x"})
+
+    with pytest.raises(ValueError, match="Wrong.RESUME"):
+        config.resume_rules(Wrong)

@@ -116,25 +116,12 @@ def shard(model: nn.Module, device: torch.device, bf16: bool) -> nn.Module:
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a DTensor (a collective: every process calls it, in the same order); any other tensor as
     it is."""
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def local_numel(t: torch.Tensor) -> int:
-    """Elements this process holds of `t` (its shard of a DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -232,17 +232,20 @@ def sampling_params(cfg: RolloutConfig, n: int) -> SamplingParams:
     return SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length, n, cfg.ignore_eos)
 
 
-def make_rollouts(cfg: RolloutConfig, vllm_cfg: VLLMConfig, env_cfg: EnvironmentConfig | None, train: TrainConfig,
-                  accelerator, actor, model_path: str, tokenizer, split: Prompts, total_steps: int,
-                  num_generations: int) -> Rollouts:
+def make_rollouts(accelerator, actor, tokenizer, split: Prompts, *, rollout: RolloutConfig, vllm: VLLMConfig,
+                  train: TrainConfig, model_path: str, total_steps: int, num_generations: int,
+                  env: EnvironmentConfig | None = None) -> Rollouts:
     """The online recipes' rollouts: the `--rollout` backend (and the vLLM server a run starts for itself) for the
-    unwrapped `actor`, with multi-turn episodes of each dataset row when `env_cfg` names an environment or tools,
-    synchronous or (--async_rollout) ahead by --max_staleness, over the prompts of `split`, `num_generations`
-    responses each. The engine holds no trained weights yet: the recipe resumes, then syncs (Rollouts.load_weights).
+    unwrapped `actor` (the model at `model_path`), with multi-turn episodes of each dataset row when `env` names an
+    environment, tools or an agent, synchronous or (--async_rollout) ahead by --max_staleness, over the prompts of
+    `split`, `num_generations` responses each, for `total_steps` steps. The config pieces are named: `rollout`
+    (sampling, backend), `vllm` (engine, sync, probe), `train` (lengths, seed), `env` (none: single-turn). The engine
+    holds no trained weights yet: the recipe resumes, then syncs (Rollouts.load_weights).
 
     A step generates its prompts on this process (train.distributed.step_indices). The colocated engine seeds every
     sample from (seed, step, rank, index), so a resumed run draws the same ones, and evaluates with fixed seeds
     (`Rollouts.eval_params`)."""
+    cfg, vllm_cfg, env_cfg = rollout, vllm, env
     rank, world = accelerator.process_index, accelerator.num_processes
     server, url = start_server(cfg, vllm_cfg, accelerator, model_path, train.max_length, train.seed)
     backend = make_backend(cfg, vllm_cfg, accelerator, actor, model_path, tokenizer,

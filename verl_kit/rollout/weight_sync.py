@@ -36,10 +36,6 @@ def engine_name(hf_name: str) -> str:
     return hf_name
 
 
-def _nbytes(p: torch.Tensor) -> int:
-    return (p.ds_numel if hasattr(p, "ds_numel") else p.numel()) * p.element_size()
-
-
 def named_tensors(model) -> list[tuple[list[str], torch.nn.Parameter]]:
     """Each parameter of the policy once, with every name it has in the module tree: a tied output layer is the input
     embedding under a second name (`lm_head.weight` = `model.embed_tokens.weight`), which `named_parameters()` leaves
@@ -51,12 +47,13 @@ def named_tensors(model) -> list[tuple[list[str], torch.nn.Parameter]]:
     return list(by_id.values())
 
 
-def buckets(model, bucket_bytes: int) -> list[list[tuple[list[str], torch.nn.Parameter]]]:
+def buckets(model, bucket_bytes: int, sharding=None) -> list[list[tuple[list[str], torch.nn.Parameter]]]:
     """Parameters (with all their names) in order, grouped so a bucket's full (gathered) size stays under
-    bucket_bytes; a parameter larger than the budget is a bucket of its own."""
+    bucket_bytes; a parameter larger than the budget is a bucket of its own. `sharding` (train.Sharding) counts a
+    sharded parameter's full size; None: the parameters are whole."""
     out, cur, size = [], [], 0
     for names, p in named_tensors(model):
-        n = _nbytes(p)
+        n = (sharding.full_numel(p) if sharding is not None else p.numel()) * p.element_size()
         if cur and size + n > bucket_bytes:
             out.append(cur)
             cur, size = [], 0
@@ -76,7 +73,7 @@ def gathered_buckets(model, bucket_bytes: int, sharding=None
     FSDP2: every process iterates it to the end, in order."""
     full_params = sharding.full_params if sharding is not None else _whole_params
     adapted = lora.lora_layers(model)
-    for bucket in buckets(model, bucket_bytes):
+    for bucket in buckets(model, bucket_bytes, sharding):
         extra = [q for _, p in bucket if id(p) in adapted for q in lora.adapter_params(adapted[id(p)])]
         with full_params(model, [p for _, p in bucket] + extra) as full:
             tensors = {engine_name(names[0]): full(

@@ -14,6 +14,7 @@ What each answers:
     accumulating(model, last)     the context of one micro-batch's forward and backward (gradient sync on the last)
     backward(model, loss), step(model, optimizer, max_grad_norm) -> (gradient norm, skipped)
     full_params(model, params)    a context in which `full(t)` is the whole tensor (weight sync)
+    full_numel(p)                 the whole parameter's size (weight-sync buckets)
     full_state_dict(model)        the whole state dict on the main process (export)
     local(p), param_counts(model) what this process holds
     save(path, lora), load(path, lora)   everything it prepared, with accelerate's scheduler and RNG state
@@ -102,10 +103,14 @@ class Sharding:
         """What this process holds of parameter `p`."""
         return p
 
+    def full_numel(self, p: torch.Tensor) -> int:
+        """Elements of the whole parameter `p` (a DTensor's numel is already its global size)."""
+        return p.numel()
+
     def param_counts(self, model: nn.Module) -> tuple[int, int]:
         """(elements this process holds, elements of the whole model)."""
-        n = sum(p.numel() for p in model.parameters())
-        return n, n
+        params = list(model.parameters())
+        return sum(self.local(p).numel() for p in params), sum(self.full_numel(p) for p in params)
 
     def size_metrics(self, model: nn.Module) -> dict:
         """What a recipe logs at step 0 of a run: world_size, params/total (the whole model's parameters) and
@@ -233,10 +238,8 @@ class DeepSpeed(Sharding):
     def local(self, p: torch.Tensor) -> torch.Tensor:
         return getattr(p, "ds_tensor", p)  # ZeRO-3: this process's partition
 
-    def param_counts(self, model: nn.Module) -> tuple[int, int]:
-        params = list(model.parameters())
-        return (sum(self.local(p).numel() for p in params),
-                sum(getattr(p, "ds_numel", p.numel()) for p in params))
+    def full_numel(self, p: torch.Tensor) -> int:
+        return getattr(p, "ds_numel", p.numel())  # ZeRO-3: p itself is an empty placeholder
 
     @contextlib.contextmanager
     def _frozen_left_out(self, active: bool, loading: str | None = None):
@@ -293,10 +296,6 @@ class FSDP2(Sharding):
 
     def local(self, p: torch.Tensor) -> torch.Tensor:
         return p.to_local() if hasattr(p, "to_local") else p
-
-    def param_counts(self, model: nn.Module) -> tuple[int, int]:
-        params = list(model.parameters())
-        return sum(fsdp2.local_numel(p) for p in params), sum(p.numel() for p in params)
 
     def save(self, path: str, lora: bool) -> None:
         super().save(path, lora)
