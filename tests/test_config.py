@@ -74,3 +74,31 @@ def test_recipes_are_not_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     with pytest.raises(ImportError, match="not a package"):
         import recipes  # noqa: F401
+
+
+def test_kit_functions_take_the_role_they_read(tmp_path):
+    """TrainConfig is the union of TRL-style roles (ModelConfig, DataConfig, BatchConfig, OptimConfig, OutputConfig):
+    every flag in exactly one, and a kit function that takes a role runs on that role alone (load_splits a DataConfig,
+    micro_batches a BatchConfig, check_output_dir an OutputConfig, Trainable an OptimConfig). Each role checks itself."""
+    import dataclasses
+
+    import torch
+
+    from verl_kit import config, data, train
+    from verl_kit.errors import UserError
+
+    roles = (config.ModelConfig, config.DataConfig, config.BatchConfig, config.OptimConfig, config.OutputConfig)
+    names = [f.name for r in roles for f in dataclasses.fields(r)]
+    assert len(set(names)) == len(names) and set(names) == {f.name for f in dataclasses.fields(config.TrainConfig)}
+    train_split, test_split = data.load_splits(config.DataConfig())
+    assert len(train_split) > 0 and len(test_split) > 0
+    assert train.micro_batches(config.BatchConfig(per_device_train_batch_size=2), list("abcde"), [1] * 5) == [
+        ["a", "b"], ["c", "d"], ["e"]]
+    train.check_output_dir(config.OutputConfig(output_dir=str(tmp_path / "out")))
+    t = train.Trainable(train.Accelerator(cpu=True), torch.nn.Linear(2, 1), config.OptimConfig(max_grad_norm=0.5),
+                        learning_rate=0.1, total_steps=10)
+    assert t.learning_rate == 0.1 and t.max_grad_norm == 0.5 and t.sharding.name == "none"
+    with pytest.raises(UserError, match="--max_prompt_length"):
+        config.DataConfig(max_prompt_length=600)
+    with pytest.raises(UserError, match="--lora_r is a LoRA flag"):
+        config.ModelConfig(lora_r=8)

@@ -93,56 +93,123 @@ class Config:
 
 
 @dataclass
-class TrainConfig(Config):
-    """What every recipe shares: the model and its LoRA adapter, the data, the optimizer and its schedule, packing and
-    micro-batches, checkpoints and logging; named as in transformers/TRL so that existing configs carry over."""
+class ModelConfig(Config):
+    """The model and how it is built (TRL's ModelConfig): its path, attention, dtype, gradient checkpointing, the
+    chat template's keyword arguments and the LoRA adapter."""
 
     CHOICES: ClassVar[dict] = {"attn_implementation": (None, "sdpa", "eager", "flash_attention_2")}
     RESUME: ClassVar[dict] = {
         **dict.fromkeys(("model_name_or_path", "use_peft", "lora_r", "lora_target_modules"), "model"),
-        **dict.fromkeys(("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split",
-            "output_dir", "max_steps", "num_train_epochs", "per_device_eval_batch_size", "packing",
-            "packing_length", "max_tokens_per_microbatch", "gradient_checkpointing", "attn_implementation",
-            "logging_steps", "eval_steps", "save_steps", "save_interval_minutes", "save_total_limit",
-            "overwrite_output_dir", "resume_from_checkpoint", "resume_ignore_changes", "report_to", "run_name",
-            "collective_timeout_s"), "free")}
+        **dict.fromkeys(("gradient_checkpointing", "attn_implementation"), "free")}
 
     model_name_or_path: str = field(default=TINY_MODEL_NAME, metadata={
         "help": "HF model id or local path; 'tiny-llama' builds the embedded tiny model offline on first use"})
+    attn_implementation: str | None = field(default=None, metadata={
+        "help": "sdpa, eager or flash_attention_2; default: flash_attention_2 on CUDA when installed, else sdpa"})
+    bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast; default: on with CUDA, off on CPU"})
+    gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in backward"})
+    chat_template_kwargs: dict | str | None = field(default=None, metadata={
+        "help": "keyword arguments of every chat-template rendering (data, prompts, episodes, evaluation), a JSON "
+                "object, e.g. '{\"enable_thinking\": false}'"})
+    use_peft: bool = field(default=False, metadata={
+        "help": "train a LoRA adapter (peft) instead of every weight; the reference is the base model"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (with --use_peft)"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
+    lora_dropout: float = field(default=0.05, metadata={
+        "help": "dropout on the LoRA branch's input (offline recipes: GRPO, PPO and distillation train without "
+                "dropout)"})
+    lora_target_modules: str | None = field(default=None, metadata={
+        "help": "comma-separated module names to adapt (q_proj,v_proj); default all-linear: every linear layer of "
+                "the decoder, not the output layer"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_lora_flags(self, types.SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(self)}))
+        self.chat_template_kwargs = json_object("chat_template_kwargs", self.chat_template_kwargs)
+
+
+@dataclass
+class DataConfig(Config):
+    """The data and its lengths (TRL's ScriptArguments names the dataset): the train and held-out splits, and how
+    long a prompt and a whole sequence may be."""
+
+    RESUME: ClassVar[dict] = dict.fromkeys(("dataset_name", "dataset_config", "dataset_train_split",
+                                            "dataset_test_split"), "free")  # the data is compared by its rows' hash
+
     dataset_name: str = field(default=TINY_PREFS, metadata={
         "help": "hub dataset name, or a local .jsonl/.json/.parquet file or a directory of them"})
     dataset_config: str | None = field(default=None, metadata={"help": "dataset configuration name (hub datasets)"})
     dataset_train_split: str = field(default="train", metadata={"help": "train split, slicing allowed: train[:100]"})
     dataset_test_split: str | None = field(default="test", metadata={
         "help": "held-out split for evaluation; 'none' to skip"})
-    output_dir: str = field(default="outputs/run", metadata={"help": "checkpoints, metrics.jsonl, plots, final/"})
-    max_steps: int = field(default=-1, metadata={"help": "optimizer steps; -1 derives them from num_train_epochs"})
-    num_train_epochs: float = field(default=1.0, metadata={"help": "passes over the train split (if max_steps=-1)"})
+    max_length: int = field(default=512, metadata={"help": "max tokens of prompt + completion"})
+    max_prompt_length: int = field(default=256, metadata={"help": "prompts longer than this keep their last tokens"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.dataset_test_split, str) and self.dataset_test_split.lower() == "none":
+            self.dataset_test_split = None
+        self.at_least(1, "max_length")
+        if self.max_prompt_length >= self.max_length:
+            raise UserError(f"--max_prompt_length ({self.max_prompt_length}) must be below --max_length "
+                            f"({self.max_length}) to leave room for the completion")
+
+
+@dataclass
+class BatchConfig(Config):
+    """How a step's examples are cut into forward passes: examples per process per pass, packing into rows, a
+    token budget per pass. The same sums either way, so a resume may change any of them but the batch size."""
+
+    RESUME: ClassVar[dict] = dict.fromkeys(("per_device_eval_batch_size", "packing", "packing_length",
+                                            "max_tokens_per_microbatch"), "free")
+
     per_device_train_batch_size: int = field(default=8, metadata={"help": "examples per process per micro-step"})
     per_device_eval_batch_size: int = field(default=16, metadata={
         "help": "examples per process per no-grad forward: held-out evaluation (SFT, RM, DPO, KTO), reward-model "
                 "scoring (PPO, GRPO; their held-out generation takes prompts_per_step / processes per call)"})
-    learning_rate: float = field(default=5e-4, metadata={"help": "peak AdamW learning rate"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    warmup_ratio: float = field(default=0.0, metadata={"help": "fraction of steps for linear warm-up"})
-    lr_scheduler_type: str = field(default="linear", metadata={"help": "transformers scheduler name"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
-    seed: int = field(default=42, metadata={"help": "seed for init, data order and sampling"})
-    max_length: int = field(default=512, metadata={"help": "max tokens of prompt + completion"})
-    max_prompt_length: int = field(default=256, metadata={"help": "prompts longer than this keep their last tokens"})
-    chat_template_kwargs: dict | str | None = field(default=None, metadata={
-        "help": "keyword arguments of every chat-template rendering (data, prompts, episodes, evaluation), a JSON "
-                "object, e.g. '{\"enable_thinking\": false}'"})
     packing: bool = field(default=True, metadata={"help": "pack sequences padding-free into rows"})
     packing_length: int = field(default=512, metadata={
         "help": "tokens per packed row; attention runs per sequence within a row (sdpa, flash_attention_2), so a "
                 "longer row costs its tokens, not their square (docs/memory.md)"})
     max_tokens_per_microbatch: int | None = field(default=None, metadata={
         "help": "token budget per forward pass; splits each step's examples by tokens instead of by count"})
-    gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in backward"})
-    bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast; default: on with CUDA, off on CPU"})
-    attn_implementation: str | None = field(default=None, metadata={
-        "help": "sdpa, eager or flash_attention_2; default: flash_attention_2 on CUDA when installed, else sdpa"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.at_least(1, "per_device_train_batch_size", "packing_length")
+
+
+@dataclass
+class OptimConfig(Config):
+    """The optimizer, its schedule and the run's length (AdamW; transformers' scheduler names), and the seed."""
+
+    RESUME: ClassVar[dict] = dict.fromkeys(("max_steps", "num_train_epochs"), "free")
+
+    learning_rate: float = field(default=5e-4, metadata={"help": "peak AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_ratio: float = field(default=0.0, metadata={"help": "fraction of steps for linear warm-up"})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "transformers scheduler name"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
+    seed: int = field(default=42, metadata={"help": "seed for init, data order and sampling"})
+    max_steps: int = field(default=-1, metadata={"help": "optimizer steps; -1 derives them from num_train_epochs"})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "passes over the train split (if max_steps=-1)"})
+
+    def total_steps(self, examples: int, per_step: int) -> int:
+        """Optimizer steps of the run: --max_steps, or --num_train_epochs over `examples` taken `per_step` a step."""
+        return self.max_steps if self.max_steps > 0 else math.ceil(self.num_train_epochs * examples / per_step)
+
+
+@dataclass
+class OutputConfig(Config):
+    """Where the run writes and how often: --output_dir, logging, evaluation and checkpoints, resume, trackers, and
+    how long a collective may wait."""
+
+    RESUME: ClassVar[dict] = dict.fromkeys((
+        "output_dir", "logging_steps", "eval_steps", "save_steps", "save_interval_minutes", "save_total_limit",
+        "overwrite_output_dir", "resume_from_checkpoint", "resume_ignore_changes", "report_to", "run_name",
+        "collective_timeout_s"), "free")
+
+    output_dir: str = field(default="outputs/run", metadata={"help": "checkpoints, metrics.jsonl, plots, final/"})
     logging_steps: int = field(default=5, metadata={"help": "log every N optimizer steps"})
     eval_steps: int = field(default=50, metadata={"help": "evaluate every N optimizer steps (and at the end)"})
     save_steps: int = field(default=0, metadata={
@@ -165,36 +232,18 @@ class TrainConfig(Config):
                 f"{', '.join(TRACKERS)} (TRL's and accelerate's names)"})
     run_name: str | None = field(default=None, metadata={"help": "tracker run name"})
     collective_timeout_s: int = field(default=1800, metadata={"help": "timeout for every collective (seconds)"})
-    use_peft: bool = field(default=False, metadata={
-        "help": "train a LoRA adapter (peft) instead of every weight; the reference is the base model"})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank (with --use_peft)"})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha: the update is scaled by alpha / r"})
-    lora_dropout: float = field(default=0.05, metadata={
-        "help": "dropout on the LoRA branch's input (offline recipes: GRPO, PPO and distillation train without "
-                "dropout)"})
-    lora_target_modules: str | None = field(default=None, metadata={
-        "help": "comma-separated module names to adapt (q_proj,v_proj); default all-linear: every linear layer of "
-                "the decoder, not the output layer"})
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.dataset_test_split, str) and self.dataset_test_split.lower() == "none":
-            self.dataset_test_split = None
-        self.at_least(1, "per_device_train_batch_size", "max_length", "packing_length", "logging_steps",
-                      "eval_steps")
+        self.at_least(1, "logging_steps", "eval_steps")
         self.at_least(0, "save_steps", "save_interval_minutes", "save_total_limit")
         if self.overwrite_output_dir and self.resume_from_checkpoint:
             raise UserError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues a run: "
                             "pass one of them")
-        check_lora_flags(self, types.SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(self)}))
-        self.chat_template_kwargs = json_object("chat_template_kwargs", self.chat_template_kwargs)
         unknown = [t for t in self.trackers if t not in (*TRACKERS, "all")]
         if unknown or (len(self.trackers) > 1 and "all" in self.trackers):
             raise UserError(f"--report_to: {self.report_to!r}: expected none, all, or a comma-separated list of "
                             f"{', '.join(TRACKERS)}")
-        if self.max_prompt_length >= self.max_length:
-            raise UserError(f"--max_prompt_length ({self.max_prompt_length}) must be below --max_length "
-                            f"({self.max_length}) to leave room for the completion")
 
     @property
     def trackers(self) -> list[str]:
@@ -202,9 +251,13 @@ class TrainConfig(Config):
         names = [t.strip() for t in self.report_to.split(",") if t.strip()]
         return [] if names == ["none"] else names
 
-    def total_steps(self, examples: int, per_step: int) -> int:
-        """Optimizer steps of the run: --max_steps, or --num_train_epochs over `examples` taken `per_step` a step."""
-        return self.max_steps if self.max_steps > 0 else math.ceil(self.num_train_epochs * examples / per_step)
+
+@dataclass
+class TrainConfig(OutputConfig, OptimConfig, BatchConfig, DataConfig, ModelConfig):
+    """What every recipe shares, one flag namespace over its roles: ModelConfig, DataConfig, BatchConfig,
+    OptimConfig, OutputConfig (their fields in that order). A kit function takes the role it reads (load_policy a
+    ModelConfig, load_splits a DataConfig, Trainable an OptimConfig, ...); a recipe passes `cfg.train`, which is each
+    of them. Named as in transformers/TRL so that existing configs carry over."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ import types
 import typing
 from pathlib import Path
 
-from verl_kit.config import Config, choices
+from verl_kit.config import Config, choices, resume_rules
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: recipes/ and verl_kit/ side by side
 RECIPES = ROOT / "recipes"
@@ -89,7 +89,8 @@ def cell(text: str, prose: bool = False) -> str:
 def table(cls: type) -> list[str]:
     hints = typing.get_type_hints(cls)
     allowed = choices(cls)
-    lines = ["| flag | type | default | allowed values | help |", "| --- | --- | --- | --- | --- |"]
+    rules = resume_rules(cls)
+    lines = ["| flag | type | default | allowed values | on resume | help |", "| --- | --- | --- | --- | --- | --- |"]
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
             default = value_text(f.default)
@@ -99,7 +100,7 @@ def table(cls: type) -> list[str]:
             default = "(required)"
         values = ", ".join(value_text(v) for v in allowed.get(f.name, ()))
         lines.append(f"| `--{f.name}` | {cell(f'`{type_name(hints[f.name])}`')} | {cell(default)} | {cell(values)} | "
-                     f"{cell(f.metadata.get('help', ''), prose=True)} |")
+                     f"{rules[f.name]} | {cell(f.metadata.get('help', ''), prose=True)} |")
     return lines
 
 
@@ -112,7 +113,9 @@ def reference(recipes_dir: Path = RECIPES) -> str:
            "Every flag of every recipe, read from its config dataclass. A flag is given on the command line "
            "(`--beta 0.2`) or as a key of the yaml file passed with `--config` (the command line wins); "
            "`python recipes/<name>.py --help` prints the same list. Allowed values are checked for the command line "
-           "and yaml alike.", ""]
+           "and yaml alike. *On resume* is what `--resume_from_checkpoint` does when the flag differs from the "
+           "checkpoint's (declared by each config class, config.RESUME): `free`, it may; `checked`, refused unless "
+           "`--resume_ignore_changes`; `model`, refused (another model's weights).", ""]
     out += [f"- [`recipes/{p.name}`](#{p.stem})" for p in files]
     for path in files:
         roles = recipe_args(load_recipe(path))

@@ -8,7 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from verl_kit.config import TrainConfig
+from verl_kit.config import DataConfig
 from verl_kit.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def load_split(name: str, split: str, config: str | None = None, required: bool 
     return ds
 
 
-def load_splits(cfg: TrainConfig) -> tuple:
+def load_splits(cfg: DataConfig) -> tuple:
     """(train, test) datasets of a recipe config: `--dataset_train_split` and `--dataset_test_split` of
     `--dataset_name`; test is None when the split is 'none' or the dataset has no such split."""
     train = load_split(cfg.dataset_name, cfg.dataset_train_split, cfg.dataset_config)

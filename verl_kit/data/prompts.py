@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verl_kit.config import TrainConfig
+from verl_kit.config import DataConfig
 from verl_kit.data.datasets import load_splits, truncate
 from verl_kit.errors import UserError
 
@@ -25,7 +25,7 @@ class Prompts:
         return [x for x in items for _ in range(n)]
 
 
-def load_prompt_splits(cfg: TrainConfig, tokenizer) -> tuple[Prompts, Prompts]:
+def load_prompt_splits(cfg: DataConfig, tokenizer) -> tuple[Prompts, Prompts]:
     """The train and held-out prompts of a recipe config (the held-out set is empty without a test split)."""
     train_ds, test_ds = load_splits(cfg)
     splits = []

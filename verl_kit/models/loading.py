@@ -171,7 +171,7 @@ def check_shared_tokenizer(student, teacher, teacher_flag: str) -> None:
 
 
 def load_policy(path: str, cfg) -> torch.nn.Module:
-    """The policy a recipe trains, as its TrainConfig asks: the causal LM at `path` with --attn_implementation,
+    """The policy a recipe trains, as its config.ModelConfig asks: the causal LM at `path` with --attn_implementation,
     --gradient_checkpointing and (OfflineConfig) --load_in_4bit, and a new LoRA adapter when --use_peft."""
     return with_lora(load_causal_lm(path, cfg.attn_implementation, cfg.gradient_checkpointing,
                                     getattr(cfg, "load_in_4bit", False)), cfg)

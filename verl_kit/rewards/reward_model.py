@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForSequenceClassification
 
-from verl_kit.config import TrainConfig
+from verl_kit.config import BatchConfig
 from verl_kit.data.packing import TokenBatch
 from verl_kit.errors import UserError
 from verl_kit.models.loading import pretrained, quantized, quiet_load, resolve_attn_implementation
@@ -92,7 +92,7 @@ def load_reward_classifier(path: str, pad_id: int, attn_implementation: str | No
     return TokenRewardModel(model)
 
 
-def score_rewards(accelerator, model, items: list, cfg: TrainConfig, pad_id: int, block_mask: bool,
+def score_rewards(accelerator, model, items: list, cfg: BatchConfig, pad_id: int, block_mask: bool,
                   desc: str = "rewards") -> torch.Tensor:
     """Rewards of every sequence of every item (scoring.Sequences): (n_items, k), on CPU, identical on all ranks,
     sharded in lockstep as scoring.score_items is."""

@@ -10,14 +10,14 @@ import os
 
 import torch
 
-from verl_kit.config import TrainConfig
+from verl_kit.config import OutputConfig, TrainConfig
 from verl_kit.errors import UserError
 from verl_kit.metrics import check_writable, setup_logging
 from verl_kit.train.output_dir import check_output_dir
 from verl_kit.train.sharding import Accelerator, uses_deepspeed
 
 
-def trackers(cfg: TrainConfig) -> list[str]:
+def trackers(cfg: OutputConfig) -> list[str]:
     """--report_to checked against what is installed: a tracker named but not installed stops the run in one line
     (accelerate would drop it with a debug message), and `all` means every installed one."""
     from accelerate.tracking import get_available_trackers

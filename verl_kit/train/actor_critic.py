@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from verl_kit.algos.off_policy import importance_weights, mismatch_metrics
-from verl_kit.config import RatioConfig, RolloutBackendFacts, TrainConfig
+from verl_kit.config import BatchConfig, RatioConfig, RolloutBackendFacts
 from verl_kit.data.packing import TokenBatch, layout
 from verl_kit.models.loading import pretrained, quiet_load, resolve_attn_implementation, uses_block_mask
 from verl_kit.train.lm_head import head_divergence, head_logprobs, scored_logits
@@ -125,9 +125,9 @@ def critic_values(critic, batch: TokenBatch, index: ResponseIndex) -> torch.Tens
 
 class ResponsePacker:
     """Packs rollout rows for the forward passes of actor, critic and reference, the layout fitted to the policy
-    (block mask unless flash-attention; pack or pad by cost, packing.layout) and the packing flags of a TrainConfig."""
+    (block mask unless flash-attention; pack or pad by cost, packing.layout) and the packing flags of a BatchConfig."""
 
-    def __init__(self, cfg: TrainConfig, pad_id: int, model, temperature: float = 1.0):
+    def __init__(self, cfg: BatchConfig, pad_id: int, model, temperature: float = 1.0):
         self.cfg, self.pad_id, self.temperature = cfg, pad_id, temperature
         self.block_mask = uses_block_mask(model)
         self.hidden_size = model.config.hidden_size

@@ -28,7 +28,7 @@ import uuid
 
 import torch
 
-from verl_kit.config import TrainConfig, flags_with_rule, resume_rules
+from verl_kit.config import DataConfig, ModelConfig, TrainConfig, flags_with_rule, resume_rules
 from verl_kit.data.datasets import split_fingerprint
 from verl_kit.durable import fsync_tree, replace_dir, write_failure
 from verl_kit.errors import UserError
@@ -296,7 +296,7 @@ class Checkpoints:
         return stop
 
 
-def run_fingerprint(cfg: TrainConfig, flags: dict, sharding: str = "none") -> dict:
+def run_fingerprint(cfg: DataConfig, flags: dict, sharding: str = "none") -> dict:
     """What a resumed run must share with the checkpoint to continue the same training: `data`, the content hash of
     the train split (data.split_fingerprint: the rows, in order, whatever the file is called), `flags`, the flags
     whose field's resume rule is "checked" (config.Args.resume_checked; the "model" ones are checked on their own,
@@ -337,6 +337,6 @@ def check_run(path: str, saved: dict | None, now: dict, ignore_changes: bool) ->
     return changes
 
 
-def model_flags(cfg: TrainConfig) -> dict:
+def model_flags(cfg: ModelConfig) -> dict:
     """The values of the flags that say what the saved weights are (resume rule "model")."""
     return flags_with_rule(cfg, "model")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_kit.config import TrainConfig
+from verl_kit.config import BatchConfig, TrainConfig
 from verl_kit.data.packing import split_by_tokens
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def destroy(stop: int = 0) -> None:
         sys.exit(exit_code)
 
 
-def micro_batches(cfg: TrainConfig, items: list, costs: list[int]) -> list[list]:
+def micro_batches(cfg: BatchConfig, items: list, costs: list[int]) -> list[list]:
     """Split this process's `items` of a step into micro-batches (lists of items, in order): by token budget when
     `cfg.max_tokens_per_microbatch` is set (`costs` = tokens per item; in as many balanced chunks as the busiest
     process needs, so every process runs the same number: ZeRO-3 runs forward passes in lockstep), else

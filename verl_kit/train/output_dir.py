@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 
-from verl_kit.config import TrainConfig
+from verl_kit.config import OutputConfig
 from verl_kit.durable import sweep_aside
 from verl_kit.errors import UserError
 
@@ -36,7 +36,7 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def check_output_dir(cfg: TrainConfig) -> None:
+def check_output_dir(cfg: OutputConfig) -> None:
     """A fresh run (no --resume_from_checkpoint) refuses, in one line, an --output_dir that holds another run's
     checkpoints or final model: it would rotate them away, truncate their metrics and replace their final/.
     --overwrite_output_dir lets it (checkpoint.resume then deletes them)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_kit.config import TrainConfig
+from verl_kit.config import BatchConfig
 from verl_kit.data.packing import TokenBatch, layout
 from verl_kit.metrics import progress
 from verl_kit.train.distributed import all_gather, shard, unshard
@@ -21,14 +21,14 @@ def completion_sequences(prompt: list[int], completions: list[list[int]]) -> Seq
     return seqs, masks
 
 
-def make_batch(items: list[Sequences], cfg: TrainConfig, pad_id: int, block_mask: bool) -> TokenBatch:
+def make_batch(items: list[Sequences], cfg: BatchConfig, pad_id: int, block_mask: bool) -> TokenBatch:
     """Flatten the items' sequences (item-major) into one packed or padded TokenBatch."""
     seqs = [s for item in items for s in item[0]]
     masks = [m for item in items for m in item[1]]
     return layout(seqs, masks, pad_id, packing=cfg.packing, packing_length=cfg.packing_length, block_mask=block_mask)
 
 
-def score_subset(accelerator, model, items: list[Sequences], needed: list[int], cfg: TrainConfig, pad_id: int,
+def score_subset(accelerator, model, items: list[Sequences], needed: list[int], cfg: BatchConfig, pad_id: int,
                  block_mask: bool, desc: str) -> torch.Tensor:
     """score_items on items[needed] only, scattered back: (n_items, k), NaN for the items not scored."""
     scored = score_items(accelerator, model, [items[i] for i in needed], cfg, pad_id, block_mask, desc)
@@ -38,7 +38,7 @@ def score_subset(accelerator, model, items: list[Sequences], needed: list[int], 
 
 
 @torch.no_grad()
-def score_items(accelerator, model, items: list[Sequences], cfg: TrainConfig, pad_id: int, block_mask: bool,
+def score_items(accelerator, model, items: list[Sequences], cfg: BatchConfig, pad_id: int, block_mask: bool,
                 desc: str = "scoring", score_batch=None) -> torch.Tensor:
     """A score per sequence of every item: (n_items, k), on CPU, identical on all ranks. The score is
     `score_batch(model, batch) -> (N,)`, by default the summed completion log-probs. Every rank scores ceil(n/world)

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from verl_kit.config import TrainConfig
+from verl_kit.config import OptimConfig
 from verl_kit.errors import UserError
 from verl_kit.models.loading import (
     chat_template_kwargs,
@@ -48,11 +48,11 @@ MAX_NONFINITE_SKIPS = 10
 
 class Trainable:
     """A trained model, its optimizer and LR schedule (see the module docstring for the loop), placed by the run's
-    sharding (`accelerator.sharding`, train/sharding.py). Reads the optimizer flags of a TrainConfig
+    sharding (`accelerator.sharding`, train/sharding.py). Reads the optimizer flags of an OptimConfig
     (`weight_decay`, `lr_scheduler_type`, `warmup_ratio`, `max_grad_norm`); `learning_rate` is passed so that two
     models of one run (actor, critic) can differ."""
 
-    def __init__(self, accelerator, model: nn.Module, cfg: TrainConfig, learning_rate: float, total_steps: int):
+    def __init__(self, accelerator, model: nn.Module, cfg: OptimConfig, learning_rate: float, total_steps: int):
         from transformers import get_scheduler
 
         self.accelerator, self.sharding, self.max_grad_norm = accelerator, accelerator.sharding, cfg.max_grad_norm
