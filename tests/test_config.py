@@ -79,7 +79,8 @@ def test_recipes_are_not_importable(monkeypatch):
 def test_kit_functions_take_the_role_they_read(tmp_path):
     """TrainConfig is the union of TRL-style roles (ModelConfig, DataConfig, BatchConfig, OptimConfig, OutputConfig):
     every flag in exactly one, and a kit function that takes a role runs on that role alone (load_splits a DataConfig,
-    micro_batches a BatchConfig, check_output_dir an OutputConfig, Trainable an OptimConfig). Each role checks itself."""
+    micro_batches a BatchConfig, check_output_dir an OutputConfig, Trainable an OptimConfig). Each role checks
+    itself."""
     import dataclasses
 
     import torch
