@@ -41,6 +41,10 @@ CASES = [
     # rollouts (RolloutConfig, VLLMConfig) and the policy ratio (RatioConfig), across roles
     ("grpo.py", ["--async_rollout"], "--async_rollout needs --rollout vllm or vllm-server"),
     ("grpo.py", ["--rollout", "vllm", "--max_staleness", "-1"], "--max_staleness: must be >= 0, got -1"),
+    ("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", "http://a:1,http://b:1", "--vllm_num_servers", "2"],
+     "--vllm_num_servers 2 starts servers; --vllm_server_url names running ones: pass one of them"),
+    ("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", "http://a:1,http://a:1/"], "a URL named twice"),
+    ("grpo.py", ["--rollout", "vllm-server", "--vllm_num_servers", "0"], "--vllm_num_servers: must be >= 1, got 0"),
     ("grpo.py", ["--rollout", "vllm", "--async_rollout", "--vllm_enable_sleep_mode"],
      "--async_rollout keeps the engine generating during the update: it cannot sleep"),
     ("ppo.py", ["--rollout", "vllm", "--top_p", "0.9"], "--vllm_importance_sampling_correction needs --top_p 1.0"),

@@ -364,12 +364,17 @@ class VLLMConfig(Config):
     """The vLLM backends' engine, server, weight sync and probe (`--rollout vllm` or `vllm-server`)."""
 
     CHOICES: ClassVar[dict] = {"vllm_weight_sync_transport": ("auto", "inline")}
-    RESUME: ClassVar[dict] = dict.fromkeys(("vllm_server_url", "vllm_gpu_memory_utilization",
+    RESUME: ClassVar[dict] = dict.fromkeys(("vllm_server_url", "vllm_num_servers", "vllm_gpu_memory_utilization",
         "vllm_max_num_seqs", "vllm_enable_sleep_mode", "vllm_kv_cache_gib", "vllm_sync_bucket_mb",
         "vllm_sync_timeout_s", "vllm_weight_sync_transport", "vllm_probe_size", "vllm_probe_threshold"), "free")
 
     vllm_server_url: str | None = field(default=None, metadata={
-        "help": "vllm-server: URL of a running server (`make vllm-serve`); unset: the run starts one on 127.0.0.1"})
+        "help": "vllm-server: URL of a running server (`make vllm-serve`), or several comma-separated (every group of "
+                "a prompt's samples, every turn of an episode, to one of them, spread by load; each synced and "
+                "probed every step); unset: the run starts --vllm_num_servers on 127.0.0.1"})
+    vllm_num_servers: int = field(default=1, metadata={
+        "help": "vllm-server without --vllm_server_url: servers the run starts (each with its own key) and routes "
+                "over"})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vllm: GPUs per engine"})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={
         "help": "vllm: share of GPU memory for the engine's weights and KV cache"})
@@ -392,6 +397,19 @@ class VLLMConfig(Config):
     def __post_init__(self):
         super().__post_init__()
         self.at_least(0, "vllm_probe_size")
+        self.at_least(1, "vllm_num_servers")
+        if self.vllm_server_url is not None and not self.server_urls:
+            raise UserError(f"--vllm_server_url {self.vllm_server_url!r}: no URL in it")
+        if self.server_urls and self.vllm_num_servers > 1:
+            raise UserError(f"--vllm_num_servers {self.vllm_num_servers} starts servers; --vllm_server_url names "
+                            "running ones: pass one of them")
+        if len(set(self.server_urls)) < len(self.server_urls):
+            raise UserError(f"--vllm_server_url {self.vllm_server_url}: a URL named twice")
+
+    @property
+    def server_urls(self) -> list[str]:
+        """--vllm_server_url as a list (none: the run starts its own)."""
+        return [u.strip().rstrip("/") for u in (self.vllm_server_url or "").split(",") if u.strip()]
 
     def check_with(self, cfg: Args) -> None:
         rollout = cfg.of(RolloutConfig)

@@ -146,20 +146,27 @@ def worker(rank, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from verl_kit.rollout import backends, vllm_server
 
-    class Server:  # stands in for the vLLM server process 0 starts (what is checked is who gets its key)
-        url, api_key = "http://127.0.0.1:9", vllm_server.new_key()
+    class Server:  # stands in for a vLLM server process 0 starts (what is checked is who gets its key)
+        def __init__(self, *args, extra=(), **kwargs):
+            self.url = f"http://127.0.0.1:{9 + int(extra[-1])}"  # its --seed: 0, 1
+            self.api_key = vllm_server.new_key()
+
+        def wait_ready(self):
+            pass
 
         def stop(self):
             pass
 
-    backends.ServerProcess = lambda *a, **k: Server()
+    backends.ServerProcess = Server
     acc = SimpleNamespace(process_index=rank, num_processes=2, mixed_precision="no")
-    vllm = SimpleNamespace(vllm_server_url=None, vllm_kv_cache_gib=1, vllm_max_num_seqs=8, vllm_tensor_parallel_size=1)
-    server, url = backends.start_server(SimpleNamespace(rollout="vllm-server"), vllm, acc, "model", 64, 0)
+    vllm = SimpleNamespace(server_urls=[], vllm_num_servers=2, vllm_kv_cache_gib=1, vllm_max_num_seqs=8,
+                           vllm_tensor_parallel_size=1)
+    servers, urls = backends.start_servers(SimpleNamespace(rollout="vllm-server"), vllm, acc, "model", 64, 0)
     keys = [None, None]
-    dist.all_gather_object(keys, vllm_server.key_for(url))
+    dist.all_gather_object(keys, [vllm_server.key_for(url) for url in urls])
     if rank == 0:
-        out.put({"url": url, "keys": keys, "key": server.api_key, "env": os.environ.get("VLLM_API_KEY")})
+        out.put({"urls": urls, "keys": keys, "key": [s.api_key for s in servers],
+                 "env": os.environ.get("VLLM_API_KEY")})
     dist.destroy_process_group()
 
 
@@ -176,11 +183,12 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_every_process_of_the_run_gets_its_server_key_and_nothing_else_does():
-    """start_server in a 2-process run (gloo): process 0 makes the server and its key; the other process gets the
-    URL and the key with it, for its own clients (vllm_server.key_for), and neither puts the key in its environment,
-    which everything the run starts would inherit."""
+    """start_servers in a 2-process run (gloo), --vllm_num_servers 2: process 0 makes the servers, each with a key of
+    its own; the other process gets their URLs and keys with them, for its own clients (vllm_server.key_for), and
+    neither puts a key in its environment, which everything the run starts would inherit."""
     from helpers import run_driver
 
     out = run_driver(KEY_DRIVER, timeout=120)
-    assert out["url"] == "http://127.0.0.1:9" and out["keys"] == [out["key"], out["key"]], out
+    assert out["urls"] == ["http://127.0.0.1:9", "http://127.0.0.1:10"], out
+    assert out["keys"] == [out["key"], out["key"]] and len(set(out["key"])) == 2, out
     assert out["env"] is None, out

@@ -6,7 +6,7 @@ rollout.transport (the wire format and same-host slots), rollout.worker_extensio
 (what the two vLLM backends share)."""
 
 from verl_kit.rollout.agents import AgentEpisodes
-from verl_kit.rollout.backends import make_backend, rollout_dtype, start_server
+from verl_kit.rollout.backends import make_backend, rollout_dtype, start_servers
 from verl_kit.rollout.chat import ChatRenderer, check_prefix_property
 from verl_kit.rollout.episodes import Episodes, SingleTurn, make_episodes
 from verl_kit.rollout.hf import HFGenerateBackend

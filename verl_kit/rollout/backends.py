@@ -1,6 +1,6 @@
 """The --rollout factory: the backend a recipe config names (the names are checked once, in config's CHOICES), and the
-vLLM server a run starts for itself when `--rollout vllm-server` has no URL (an explicit step: the caller holds it
-and stops it)."""
+vLLM servers a run starts for itself when `--rollout vllm-server` has no URL (an explicit step: the caller holds them
+and stops them)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from verl_kit.config import RolloutConfig, VLLMConfig
 from verl_kit.rollout.hf import HFGenerateBackend
+from verl_kit.rollout.router import VLLMServers
 from verl_kit.rollout.types import RolloutBackend
 from verl_kit.rollout.vllm_client import VLLMServer
 from verl_kit.rollout.vllm_engine import VLLMColocated
@@ -21,39 +22,49 @@ def rollout_dtype(accelerator) -> torch.dtype:
     return torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
 
 
-def start_server(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, model_path: str, max_length: int,
-                 seed: int) -> tuple[ServerProcess | None, str]:
-    """The vLLM server of a `--rollout vllm-server` run: `--vllm_server_url` when given (nothing started; its key, if
-    any, from VLLM_API_KEY), else process 0 starts one on a free 127.0.0.1 port (stopped by `.stop()`, at exit, or
-    when process 0 dies) with a fresh key, and every process gets its URL and, for its clients only, its key
-    (vllm_server.use_key: never in the environment). Collective. Returns (the server this process started or None,
-    its URL); (None, None) for the other backends."""
+def start_servers(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, model_path: str, max_length: int,
+                  seed: int) -> tuple[list[ServerProcess], list[str]]:
+    """The vLLM servers of a `--rollout vllm-server` run: `--vllm_server_url`'s when given (nothing started; their
+    keys, if any, from VLLM_API_KEY), else process 0 starts --vllm_num_servers on free 127.0.0.1 ports, together
+    (each stopped by `.stop()`, at exit, or when process 0 dies; server i seeded `seed` + i), each with a fresh key,
+    and every process gets their URLs and, for its clients only, their keys (vllm_server.use_key: never in the
+    environment). Collective. Returns (the servers this process started, every server's URL); ([], []) for the
+    other backends."""
     if cfg.rollout != "vllm-server":
-        return None, None
-    if vllm_cfg.vllm_server_url:
-        return None, vllm_cfg.vllm_server_url
-    server = None
+        return [], []
+    if vllm_cfg.server_urls:
+        return [], vllm_cfg.server_urls
+    servers = []
     if accelerator.process_index == 0:
-        server = ServerProcess(model_path, dtype=str(rollout_dtype(accelerator)).removeprefix("torch."),
-                               kv_cache_gib=vllm_cfg.vllm_kv_cache_gib, max_num_seqs=vllm_cfg.vllm_max_num_seqs,
-                               max_model_len=max_length,
-                               extra=["--tensor-parallel-size", str(vllm_cfg.vllm_tensor_parallel_size),
-                                      "--seed", str(seed)])
-        atexit.register(server.stop)
-    box = [(server.url, server.api_key) if server else None]
+        for i in range(vllm_cfg.vllm_num_servers):  # spawned from this thread (see ServerProcess), started together
+            servers.append(ServerProcess(model_path, dtype=str(rollout_dtype(accelerator)).removeprefix("torch."),
+                                         kv_cache_gib=vllm_cfg.vllm_kv_cache_gib,
+                                         max_num_seqs=vllm_cfg.vllm_max_num_seqs, max_model_len=max_length,
+                                         extra=["--tensor-parallel-size", str(vllm_cfg.vllm_tensor_parallel_size),
+                                                "--seed", str(seed + i)], wait=False))
+            atexit.register(servers[-1].stop)
+        try:
+            for server in servers:
+                server.wait_ready()
+        except Exception:
+            for server in servers:
+                server.stop()
+            raise
+    box = [[(s.url, s.api_key) for s in servers]]
     if accelerator.num_processes > 1:
         torch.distributed.broadcast_object_list(box, src=0)
-    url, key = box[0]
-    use_key(url, key)
-    return server, url
+    for url, key in box[0]:
+        use_key(url, key)
+    return servers, [url for url, _ in box[0]]
 
 
 def make_backend(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, actor, model_path: str, tokenizer,
-                 probe_prompts: list[list[int]], server_url: str | None, max_length: int, seed: int) -> RolloutBackend:
+                 probe_prompts: list[list[int]], server_urls: list[str], max_length: int, seed: int
+                 ) -> RolloutBackend:
     """The `--rollout` backend for the unwrapped `actor` (its full tensors gathered for each sync through the run's
     `accelerator.sharding`): HF generate on a plain copy, a vLLM engine in each process
-    (its context `max_length`, seeded `seed` + rank), or a client of the vLLM server at `server_url` (see
-    start_server); only process 0 pushes weights to a server."""
+    (its context `max_length`, seeded `seed` + rank), or a client of the vLLM servers at `server_urls` (see
+    start_servers; several: VLLMServers routes over them); only process 0 pushes weights to a server."""
     dtype = rollout_dtype(accelerator)
     if cfg.rollout == "hf":
         return HFGenerateBackend(actor, tokenizer, accelerator.device, dtype, accelerator.sharding)
@@ -70,5 +81,6 @@ def make_backend(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, actor, m
                              enable_sleep_mode=vllm_cfg.vllm_enable_sleep_mode, kv_cache_gib=vllm_cfg.vllm_kv_cache_gib,
                              world_size=accelerator.num_processes, **common)
     if cfg.rollout == "vllm-server":
-        return VLLMServer(server_url, tokenizer, pushes=rank == 0, dtype=vllm_dtype, **common)
+        clients = [VLLMServer(url, tokenizer, pushes=rank == 0, dtype=vllm_dtype, **common) for url in server_urls]
+        return clients[0] if len(clients) == 1 else VLLMServers(clients)
     raise ValueError(f"--rollout {cfg.rollout!r}")  # config.parse_args refuses it first

@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
@@ -39,7 +39,7 @@ from verl_kit.algos.sampling import group_rows, informative_groups, select_group
 from verl_kit.config import EnvironmentConfig, RolloutConfig, TrainConfig, VLLMConfig
 from verl_kit.errors import UserError
 from verl_kit.rollout.agents import make_agent_episodes
-from verl_kit.rollout.backends import make_backend, start_server
+from verl_kit.rollout.backends import make_backend, start_servers
 from verl_kit.rollout.episodes import SingleTurn, make_episodes
 from verl_kit.rollout.prompts import evaluate
 from verl_kit.rollout.types import EpisodeRunner, Prompts, Rollout, SamplingParams, Scores, concat_rollouts, select_rows
@@ -55,19 +55,19 @@ class Rollouts:
     ahead of time and again after a resume; each batch carries its prompts' indices (`Rollout.prompt_index`).
     `max_staleness`: None for synchronous rollouts, else how many steps ahead batches are generated. `runner`: the
     rollout.types.EpisodeRunner that plays the episodes over its `engine` (a RolloutBackend, synced by load_weights);
-    `server`: a vLLM server the run started, stopped by close(); `eval_params`: the held-out evaluation's sampling;
+    `servers`: the vLLM servers the run started, stopped by close(); `eval_params`: the held-out evaluation's sampling;
     `pass_threshold`: the score a held-out response passes at; `max_failed_steps`: steps in a row whose every
     episode failed (on every process) after which get() stops the run in one line (0: never)."""
 
     def __init__(self, runner: EpisodeRunner, split: Prompts,
                  request: Callable[[int, int], tuple[list[int], SamplingParams]], total_steps: int,
-                 max_staleness: int | None = None, timeout_s: float = 1800, server: ServerProcess | None = None,
+                 max_staleness: int | None = None, timeout_s: float = 1800, servers: Sequence[ServerProcess] = (),
                  eval_params: SamplingParams | None = None, pass_threshold: float = 1.0, max_failed_steps: int = 0):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness {max_staleness}: use >= 0")
         self.runner = runner
         self.split, self.request, self.total_steps = split, request, total_steps
-        self.server, self.eval_params, self.pass_threshold = server, eval_params, pass_threshold
+        self.servers, self.eval_params, self.pass_threshold = list(servers), eval_params, pass_threshold
         self.ahead, self.timeout_s = max_staleness, timeout_s
         self.max_failed_steps, self.failed_steps = max_failed_steps, 0
         self.version = 0  # of the weights the engine has
@@ -173,8 +173,8 @@ class Rollouts:
             self._jobs.put((None, None, None))
         self.runner.close()
         self.runner.engine.close()
-        if self.server is not None:
-            self.server.stop()
+        for server in self.servers:
+            server.stop()
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -247,9 +247,9 @@ def make_rollouts(accelerator, actor, tokenizer, split: Prompts, *, rollout: Rol
     (`Rollouts.eval_params`)."""
     cfg, vllm_cfg, env_cfg = rollout, vllm, env
     rank, world = accelerator.process_index, accelerator.num_processes
-    server, url = start_server(cfg, vllm_cfg, accelerator, model_path, train.max_length, train.seed)
+    servers, urls = start_servers(cfg, vllm_cfg, accelerator, model_path, train.max_length, train.seed)
     backend = make_backend(cfg, vllm_cfg, accelerator, actor, model_path, tokenizer,
-                           split.ids[:vllm_cfg.vllm_probe_size], url, train.max_length, train.seed)
+                           split.ids[:vllm_cfg.vllm_probe_size], urls, train.max_length, train.seed)
     sampling = sampling_params(cfg, num_generations)
     # the episodes: an --agent's, an environment's or tools' (multi-turn), else one generation per sample
     if env_cfg is not None and env_cfg.agent:
@@ -271,6 +271,6 @@ def make_rollouts(accelerator, actor, tokenizer, split: Prompts, *, rollout: Rol
         return idx, replace(sampling, seed=seed(step, k))
 
     return Rollouts(runner, split, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
-                    cfg.rollout_timeout_s, server=server, pass_threshold=cfg.pass_threshold,
+                    cfg.rollout_timeout_s, servers=servers, pass_threshold=cfg.pass_threshold,
                     eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)),
                     max_failed_steps=env_cfg.max_failed_steps if env_cfg is not None else 0)

@@ -121,7 +121,7 @@ class VLLMServer(SyncedBackend):
 
     def close(self) -> None:
         """Ask the server to unmap this run's slots, whose memory would otherwise stay held in /dev/shm until the
-        next run's first sync (a server the run started is stopped by its owner: rollout.backends.start_server)."""
+        next run's first sync (a server the run started is stopped by its owner: rollout.backends.start_servers)."""
         if self._shared is not None and self._shared.slots:
             try:
                 self._rpc("verl_kit_release", [], self.connect_timeout_s, retries=0)

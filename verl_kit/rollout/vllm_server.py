@@ -56,7 +56,7 @@ def is_loopback_url(url: str) -> bool:
 
 # ---- the key ------------------------------------------------------------------------------------------------------
 
-# Server URL -> the key of a server this process started (ServerProcess) or was handed by its run (start_server).
+# Server URL -> the key of a server this process started (ServerProcess) or was handed by its run (start_servers).
 # Held here, never in os.environ: nothing the run starts (reward workers, tools, a shell) inherits it.
 _KEYS: dict[str, str] = {}
 
@@ -142,14 +142,16 @@ class ServerProcess:
     """A vLLM server started for a run: `with ServerProcess(path) as server: VLLMServer(server.url, tok)`.
     Startup waits for /health (up to startup_timeout_s) and fails with the log's tail if the server exits first.
     The server leads a process group of its own (verl_kit.launch.processes.GuardedGroup: its engine core and workers
-    in it) and is stopped by stop() (atexit in rollout.backends.start_server), or, when the starting process dies
+    in it) and is stopped by stop() (atexit in rollout.backends.start_servers), or, when the starting process dies
     (SIGKILL included), by the parent-death SIGTERM the kernel sends it and by this process's orphan guard, which
     SIGKILLs the group if any of it is left after its grace."""
 
     def __init__(self, model_path: str, *, host: str = "127.0.0.1", port: int | None = None,
-                 startup_timeout_s: float = 600, log_path: str | None = None, kv_cache_gib: int = 1, **serve_kwargs):
-        import requests
-
+                 startup_timeout_s: float = 600, log_path: str | None = None, kv_cache_gib: int = 1,
+                 wait: bool = True, **serve_kwargs):
+        """Start the server; with `wait` (default) return once it is healthy, else call wait_ready() (several servers
+        start together: spawn each here, from the thread that keeps running, then wait for each; the kernel's
+        parent-death signal follows the thread that spawned a process, so a worker thread that ends would stop it)."""
         self.port = port or free_port()
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
         self.api_key = new_key()  # this server's own: not VLLM_API_KEY, which may be another server's
@@ -159,7 +161,14 @@ class ServerProcess:
         cmd = self.command(model_path, host, serve_kwargs)
         self.group = GuardedGroup(cmd, env=serve_env(self.api_key, kv_cache_gib), log=self.log, guard=orphan_guard())
         self.proc = self.group.proc
-        deadline = time.time() + startup_timeout_s
+        self.deadline, self.startup_timeout_s = time.time() + startup_timeout_s, startup_timeout_s
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait for /health, up to the startup timeout; fail with the log's tail if the server exits first."""
+        import requests
+
         while True:
             if self.proc.poll() is not None:
                 self.log.flush()
@@ -172,9 +181,9 @@ class ServerProcess:
                     break
             except requests.RequestException:
                 pass
-            if time.time() > deadline:
+            if time.time() > self.deadline:
                 self.stop()
-                raise RuntimeError(f"vLLM server not healthy after {startup_timeout_s}s; log: {self.log_path}")
+                raise RuntimeError(f"vLLM server not healthy after {self.startup_timeout_s}s; log: {self.log_path}")
             time.sleep(1)
         logger.info("vLLM server ready at %s (log %s)", self.url, self.log_path)
 
