@@ -79,7 +79,8 @@ class DistillConfig(config.Config):
 
 
 ARGS = {"distill": DistillConfig, "train": config.TrainConfig, "rollout": config.RolloutConfig,
-        "vllm": config.VLLMConfig, "rewards": config.RewardConfig, "ratio": config.RatioConfig}
+        "vllm": config.VLLMConfig, "rewards": config.RewardConfig, "ratio": config.RatioConfig,
+        "entropy": config.EntropyConfig}
 
 
 def teacher_view(disagreement: torch.Tensor, response_ids: torch.Tensor, n: int, tokenizer) -> dict:
@@ -113,6 +114,7 @@ def main():
     packed = train.ResponsePacker(cfg.train, tokenizer.pad_token_id, actor.unwrapped(), cfg.rollout.temperature)
     reward = (rewards.make_rewards(cfg.rewards, accelerator, tokenizer, cfg.train.max_length,
                                    cfg.train.per_device_eval_batch_size) if cfg.rewards.any else None)
+    ent = train.EntropyTerms(cfg.entropy, accelerator)  # TRL's entropy controls (off by default), checkpointed
     rollouts = rollout.make_rollouts(accelerator, actor.unwrapped(), tokenizer, prompts, rollout=cfg.rollout,
                                      vllm=cfg.vllm, train=cfg.train, model_path=model_path, total_steps=total_steps,
                                      num_generations=dist.num_generations)
@@ -174,6 +176,7 @@ def main():
         for update in timer.each("update_actor", updates):
             n_tok = train.reduce_metrics({"n": lengths[update.rows].sum()})["n"]  # minibatch tokens, all ranks
             first = update.epoch == 0  # the first pass over the batch: the samples' reverse KL, before any update
+            ent.start()  # --entropy_coef and friends: this optimizer step's coefficient
             for chunk in actor.accumulate(update.chunks):
                 if dist.loss_type == "jsd":  # both models' whole distributions at each sampled position
                     logprobs, entropy, jsd, t_lp, ix = packed.divergence(actor.model, teacher, ro, chunk, device,
@@ -189,13 +192,18 @@ def main():
                     loss, clipped = algos.clipped_surrogate(logprobs, logprobs - old, adv, cfg.ratio.cliprange,
                                                             cfg.ratio.epsilon_high)
                 loss = correct(loss, old, ro, ix, device, tally, measure=first)
-                actor.backward(algos.global_mean_share(loss, n_tok, world))
+                acting, bonus = ent.terms(entropy, torch.ones_like(loss, dtype=torch.bool), n_tok, len(update.chunks))
+                if acting is not None:  # --top_entropy_quantile: the loss on the high-entropy tokens only
+                    loss = loss * acting
+                share = algos.global_mean_share(loss, n_tok, world)
+                actor.backward(share if bonus is None else share + algos.global_mean_share(bonus, 1.0, world))
                 tally.add(tokens=len(loss), loss=loss, pg_clipfrac=clipped,  # Tally detaches
                           approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy)
                 if first:  # the per-token reverse KL of the samples, before this step's update
                     tally.add(teacher_kl=old - t_lp, kl_tokens=len(loss))
                     student_lp[ix.row, ix.pos], teacher_lp[ix.row, ix.pos] = old.float().cpu(), t_lp.cpu()
             grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
+            entropy_metrics = ent.end()  # --use_adaptive_entropy: the coefficient moves
 
         # 5. weight sync: the rollout engine generates with the updated student from the next step on
         sync_metrics = rollouts.load_weights(actor.unwrapped(), version=step + 1)
@@ -207,7 +215,7 @@ def main():
                    "teacher_kl": t["teacher_kl"] / t["kl_tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("loss", "pg_clipfrac", "approx_kl", "entropy")},
                    **actor.metrics(grad_norms), "rollout/staleness": staleness, **algos.step_metrics(t),
-                   **timer.seconds, **sync_metrics}
+                   **timer.seconds, **sync_metrics, **entropy_metrics}
         if not reward:
             metrics = {k: v for k, v in metrics.items() if not k.startswith("reward/")}
         if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,

@@ -96,7 +96,7 @@ class GRPOConfig(config.Config):
         return self.num_iterations * self.num_mini_batches == 1
 
 
-ARGS = {"grpo": GRPOConfig, **config.ONLINE}  # the flags, by role: python recipes/grpo.py --help
+ARGS = {"grpo": GRPOConfig, **config.ONLINE, "entropy": config.EntropyConfig}  # python recipes/grpo.py --help
 
 
 @main_guard
@@ -122,6 +122,7 @@ def main():
     # reward functions and/or a frozen reward model, weighted
     reward = rewards.make_rewards(cfg.rewards, accelerator, tokenizer, cfg.train.max_length,
                                   cfg.train.per_device_eval_batch_size, cfg.env.episode_reward)
+    ent = train.EntropyTerms(cfg.entropy, accelerator)  # TRL's entropy controls (off by default), checkpointed
     # the --rollout backend (episodes with --environment_factory, --tools or --agent), synchronous or ahead
     rollouts = rollout.make_rollouts(accelerator, actor.unwrapped(), tokenizer, prompts, rollout=cfg.rollout,
                                      vllm=cfg.vllm, train=cfg.train, model_path=model_path, total_steps=total_steps,
@@ -188,6 +189,7 @@ def main():
         for update in timer.each("update_actor", updates):
             mb = update.rows
             n = train.reduce_metrics({"tokens": lengths[mb][keep[mb]].sum(), "seqs": keep[mb].sum()})  # all ranks
+            ent.start()  # --entropy_coef and friends: this optimizer step's coefficient
             for chunk in actor.accumulate(update.chunks):
                 logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
                 old = logprobs.detach() if grpo.one_update else ix.gather(old_logprobs, device)
@@ -198,15 +200,20 @@ def main():
                 loss, clipped = policy_loss.surrogate(logprobs, log_ratio, adv, cfg.ratio.cliprange,
                                                       cfg.ratio.epsilon_high)
                 loss = correct(loss, old, ro, ix, device, tally, measure=update.epoch == 0)
+                acting, bonus = ent.terms(entropy, ix.gather(keep).to(device), n["tokens"], len(update.chunks))
+                if acting is not None:  # --top_entropy_quantile: the policy term on the high-entropy tokens only
+                    loss = loss * acting
                 kl = (algos.kl_estimate(logprobs, ix.gather(ref_logprobs, device), "k3") if ref is not None
                       else torch.zeros_like(logprobs))
                 # this micro-batch's share of the minibatch loss on all ranks (algos.reduction.loss_weights)
                 w = algos.loss_weights(policy_loss.reduction, ix.gather(lengths), max(n["tokens"], 1),
                                        max(n["seqs"], 1), cfg.rollout.max_completion_length) * ix.gather(keep)
-                actor.backward(algos.global_mean_share((loss + grpo.beta * kl) * w.to(device), 1.0, world))
+                objective = (loss + grpo.beta * kl) * w.to(device)
+                actor.backward(algos.global_mean_share(objective if bonus is None else objective + bonus, 1.0, world))
                 tally.add(tokens=len(loss), pg_loss=loss, pg_clipfrac=clipped,  # Tally detaches
                           approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy, kl=kl)
             grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
+            entropy_metrics = ent.end()  # --use_adaptive_entropy: the coefficient moves
 
         # 5. weight sync: the rollout engine generates with the updated actor from the next step on
         sync_metrics = rollouts.load_weights(actor.unwrapped(), version=step + 1)
@@ -221,7 +228,7 @@ def main():
                    "reward/frac_zero_std": t["flat_groups"] / t["groups"], "kl": t["kl"] / tokens,
                    **{f"actor/{k}": t[k] / tokens for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    **actor.metrics(grad_norms), "rollout/staleness": staleness, **algos.step_metrics(t),
-                   **reward.metrics(), **sampled, **timer.seconds, **sync_metrics}
+                   **reward.metrics(), **sampled, **timer.seconds, **sync_metrics, **entropy_metrics}
         if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,
                         evaluate if held_out.ids else None):  # a logging step: a few samples beside the metrics
             log.log_samples(rollout.sample_rows(step + 1, ro, scored.total, tokenizer))

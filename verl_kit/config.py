@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from verl_kit.algos.entropy import EntropyControl
 from verl_kit.algos.off_policy import check_args as check_importance_sampling_args
 from verl_kit.errors import UserError
 from verl_kit.models.lora import check_flags as check_lora_flags
@@ -515,6 +516,46 @@ class RewardConfig(Config):
         """A reward function or a reward model is named."""
         return bool(self.reward_model_name_or_path) or any(
             s.strip() not in ("", "none") for s in (self.reward_fn or "").split(","))
+
+
+@dataclass
+class EntropyConfig(Config):
+    """Entropy controls of the policy loss (GRPO, distillation), TRL 1.16's GRPOConfig names and semantics
+    (algos.entropy; docs/algorithms.md): a fixed or adaptive (Skywork-OR1) entropy bonus, and the policy term on the
+    high-entropy tokens only (Beyond the 80/20 rule). Off by default."""
+
+    top_entropy_quantile: float = field(default=1.0, metadata={
+        "help": "rho: the policy loss keeps only the tokens at or above the (1 - rho) entropy quantile of each "
+                "micro-batch (all processes); 1 keeps all, 0 the highest only; the paper recommends 0.2"})
+    entropy_coef: float = field(default=0.0, metadata={
+        "help": "coefficient c of the entropy bonus: loss - c * (mean entropy of the tokens the loss acts on); with "
+                "--use_adaptive_entropy the starting value"})
+    use_adaptive_entropy: bool = field(default=False, metadata={
+        "help": "Skywork-OR1's control: after each optimizer step c += --entropy_coef_delta when the step's entropy "
+                "was <= --entropy_target, else -=; the bonus applies only while the last step's entropy is <= target"})
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "--use_adaptive_entropy: lower bound of c"})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "--use_adaptive_entropy: upper bound of c"})
+    entropy_coef_delta: float = field(default=0.005, metadata={"help": "--use_adaptive_entropy: step of c"})
+    entropy_target: float = field(default=0.2, metadata={
+        "help": "--use_adaptive_entropy: target mean token entropy (nats) over the tokens the loss acts on; set it "
+                "near the actor/entropy of early steps (language models: 2-10 nats), or the bonus never engages"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise UserError(f"--top_entropy_quantile {self.top_entropy_quantile}: must be in [0, 1]")
+        if self.entropy_coef_delta < 0 or self.entropy_coef_min > self.entropy_coef_max:
+            raise UserError(f"--entropy_coef_min {self.entropy_coef_min} / --entropy_coef_max {self.entropy_coef_max} "
+                            f"/ --entropy_coef_delta {self.entropy_coef_delta}: need min <= max and delta >= 0")
+        adaptive_only = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
+        changed = [f"--{f.name}" for f in dataclasses.fields(self)
+                   if f.name in adaptive_only and getattr(self, f.name) != f.default]
+        if changed and not self.use_adaptive_entropy:
+            raise UserError(f"{', '.join(changed)}: only with --use_adaptive_entropy")
+
+    def control(self) -> EntropyControl:
+        return EntropyControl(self.entropy_coef, self.use_adaptive_entropy, self.entropy_coef_min,
+                              self.entropy_coef_max, self.entropy_coef_delta, self.entropy_target)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Pure maths, tensors in and out (imports only torch): advantages and KL estimators, preference losses (the DPO
 family under TRL's loss_type names, KTO, Bradley-Terry), policy and value losses with their reductions, off-policy
 importance weights, pass@k, the groups dynamic sampling keeps, on-policy distillation losses (reverse-KL advantages,
-generalized JSD)."""
+generalized JSD), entropy controls."""
 
 from verl_kit.algos.advantages import (
     AdaptiveKLController,
@@ -18,6 +18,7 @@ from verl_kit.algos.advantages import (
     whiten,
 )
 from verl_kit.algos.distill import generalized_jsd, reverse_kl_advantages
+from verl_kit.algos.entropy import EntropyControl, high_entropy_mask
 from verl_kit.algos.evaluation import pass_at_k
 from verl_kit.algos.off_policy import MODES, check_args, importance_weights, mismatch_metrics, step_metrics
 from verl_kit.algos.policy import (

@@ -34,6 +34,7 @@ from verl_kit.train.distributed import (
     all_reduce_max,
     derived_seed,
     destroy,
+    global_quantile,
     micro_batches,
     minibatches,
     reduce_metrics,
@@ -44,6 +45,7 @@ from verl_kit.train.distributed import (
     unshard,
     updates,
 )
+from verl_kit.train.entropy import EntropyTerms
 from verl_kit.train.lm_head import (
     CHUNK_SIZE,
     chunkable,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -69,6 +70,25 @@ def all_gather(accelerator, t: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(accelerator.num_processes)]
     torch.distributed.all_gather(parts, t)
     return torch.cat(parts)
+
+
+def global_quantile(values: torch.Tensor, q: float) -> float:
+    """torch.quantile(q) (linear interpolation) of the 1-D `values` of every process together (any number on each;
+    NaN when there are none anywhere). Collective: every process calls it, in the same order."""
+    local = values.detach().float().flatten().cpu()
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+    if distributed:
+        device = _collective_device()
+        sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(sizes, torch.tensor([len(local)], device=device))
+        longest = max(int(n) for n in sizes)
+        padded = torch.zeros(longest, device=device)
+        padded[:len(local)] = local.to(device)
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded)
+        local = torch.cat([p[:int(n)].cpu() for p, n in zip(parts, sizes)])
+    return float(torch.quantile(local, q)) if len(local) else math.nan
 
 
 def all_reduce_max(value: float) -> float:
