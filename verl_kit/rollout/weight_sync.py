@@ -130,3 +130,17 @@ def sync_weights(model, push: Callable[[list[str], float], None] | None, commit:
     seconds = time.time() - t0
     return {"weight_sync/seconds": seconds, "weight_sync/bytes": n_bytes, "weight_sync/buckets": n_buckets,
             "weight_sync/bytes_per_s": n_bytes / max(seconds, 1e-9)}
+
+
+def write_adapter(model, path: str, sharding=None) -> int:
+    """The LoRA adapter of `model` (a PeftModel, placed by `sharding`) as peft writes it, adapter_config.json and
+    adapter_model.safetensors, into the new folder `path`: what a vLLM engine with LoRA loads (the adapter-only
+    sync). Its tensors are gathered whole through `sharding` (collective under ZeRO-3 and FSDP2: every process calls
+    it). Returns the adapter's bytes."""
+    peft = lora.peft_model(model)
+    named = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+    full_params = sharding.full_params if sharding is not None else _whole_params
+    with full_params(model, [p for _, p in named]) as full:
+        state = {n: full(p.data).detach().cpu().clone() for n, p in named}
+    peft.save_pretrained(path, state_dict=state)
+    return sum(t.numel() * t.element_size() for t in state.values())
