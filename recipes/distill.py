@@ -192,7 +192,7 @@ def main():
                     loss, clipped = algos.clipped_surrogate(logprobs, logprobs - old, adv, cfg.ratio.cliprange,
                                                             cfg.ratio.epsilon_high)
                 loss = correct(loss, old, ro, ix, device, tally, measure=first)
-                acting, bonus = ent.terms(entropy, torch.ones_like(loss, dtype=torch.bool), n_tok, len(update.chunks))
+                acting, bonus = ent.terms(entropy, None, n_tok, len(update.chunks))
                 if acting is not None:  # --top_entropy_quantile: the loss on the high-entropy tokens only
                     loss = loss * acting
                 share = algos.global_mean_share(loss, n_tok, world)

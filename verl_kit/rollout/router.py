@@ -191,9 +191,8 @@ class VLLMServers(SyncedBackend):
     def load_weights(self, actor, version: int = 0) -> dict:
         """One gather of the weights, every bucket to each live server, then each server's probe; the homes are
         forgotten (every server's prefix cache was reset). Collective."""
-        self._agree()
         metrics = super().load_weights(actor, version)
-        self._agree()  # a server dropped during this sync is not probed anywhere
+        self._agree()  # the servers dropped here or elsewhere, during generation or this sync: probed nowhere
         probes = [self.servers[i].probe.check(self.servers[i].score, actor, self.pushes)
                   for i in self.alive if self.servers[i].probe is not None]
         for name in probes[0] if probes else ():

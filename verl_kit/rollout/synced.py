@@ -82,6 +82,10 @@ class SyncedBackend:
         metrics = sync_weights(actor, self._push if self.pushes else None, self._commit if self.pushes else None,
                                self.bucket_mb, self.sync_timeout_s, self._shared if slots else None, self.sharding)
         metrics["weight_sync/version"] = version
+        return self._probed(actor, metrics)
+
+    def _probed(self, actor, metrics: dict) -> dict:
+        """`metrics` with the probe's, once the engine holds the synced weights (raises when the probe fails)."""
         if self.probe is not None:
             metrics.update(self.probe.check(self.score, actor, self.pushes))
         return metrics

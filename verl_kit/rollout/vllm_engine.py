@@ -206,9 +206,7 @@ class VLLMColocated(SyncedBackend):
         metrics = {"weight_sync/seconds": seconds, "weight_sync/bytes": n_bytes, "weight_sync/buckets": 1,
                    "weight_sync/bytes_per_s": n_bytes / max(seconds, 1e-9), "weight_sync/adapter_only": 1,
                    "weight_sync/version": version}
-        if self.probe is not None:
-            metrics.update(self.probe.check(self.score, actor, self.pushes))
-        return metrics
+        return self._probed(actor, metrics)
 
     _adapter_root: str | None = None
 

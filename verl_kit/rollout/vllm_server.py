@@ -148,13 +148,15 @@ class ServerProcess:
 
     def __init__(self, model_path: str, *, host: str = "127.0.0.1", port: int | None = None,
                  startup_timeout_s: float = 600, log_path: str | None = None, kv_cache_gib: int = 1,
-                 wait: bool = True, **serve_kwargs):
+                 wait: bool = True, api_key: str | None = None, **serve_kwargs):
         """Start the server; with `wait` (default) return once it is healthy, else call wait_ready() (several servers
         start together: spawn each here, from the thread that keeps running, then wait for each; the kernel's
         parent-death signal follows the thread that spawned a process, so a worker thread that ends would stop it)."""
         self.port = port or free_port()
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
-        self.api_key = new_key()  # this server's own: not VLLM_API_KEY, which may be another server's
+        # its own fresh key unless given one (several servers behind one VLLM_API_KEY); never VLLM_API_KEY itself,
+        # which may be another server's
+        self.api_key = api_key or new_key()
         use_key(self.url, self.api_key)
         self.log_path = log_path or os.path.join("/tmp", f"verl_kit_vllm_{self.port}.log")
         self.log = _private_file(self.log_path)  # prompts and errors: for this user only

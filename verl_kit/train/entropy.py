@@ -36,10 +36,10 @@ class EntropyTerms:
     def start(self) -> None:
         self.coef, self.window = self.control.coefficient(), torch.zeros(2, dtype=torch.float64)
 
-    def terms(self, entropy: torch.Tensor, kept: torch.Tensor, n_tokens: float, n_chunks: int
+    def terms(self, entropy: torch.Tensor, kept: torch.Tensor | None, n_tokens: float, n_chunks: int
               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """For one micro-batch's tokens (M,): `entropy` (with its graph), `kept` (bool: the tokens the loss counts),
-        `n_tokens` (kept tokens of the optimizer step on every process), `n_chunks` (its micro-batches) ->
+        """For one micro-batch's tokens (M,): `entropy` (with its graph), `kept` (bool: the tokens the loss counts;
+        None: all), `n_tokens` (kept tokens of the optimizer step on every process), `n_chunks` (its micro-batches) ->
         (the float mask of the tokens the policy term acts on, None for all: --top_entropy_quantile 1;
          the bonus, -coef * entropy * weight per token, None without a bonus), to add to the per-token objective
         reduced as global_mean_share(objective, 1.0, world). The weights make the bonus the mean entropy of the
@@ -48,7 +48,7 @@ class EntropyTerms:
         --top_entropy_quantile < 1 (the quantile and the count; every process runs the same micro-batches)."""
         if not self.enabled:
             return None, None
-        kept = kept.bool()
+        kept = torch.ones_like(entropy, dtype=torch.bool) if kept is None else kept.bool()
         acting = kept
         if self.rho < 1.0:
             threshold = global_quantile(entropy.detach()[kept], 1.0 - self.rho)
