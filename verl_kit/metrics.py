@@ -188,7 +188,7 @@ class MetricsLogger:
         if self.accelerator.log_with:
             self.accelerator.log({k: v for k, v in row.items() if isinstance(v, float)}, step=step)
         # Per-phase timings and weight-sync details go to metrics.jsonl and the trackers, not the console line.
-        text = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items() if not k.startswith(("timing_s/", "weight_sync/")))
+        text = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items() if not k.startswith(("timing_s/", "sync/")))
         logger.info(f"step {step}: {text} elapsed={row['elapsed_s']:.0f}s")
 
     def log_samples(self, samples: list[dict]) -> None:

@@ -8,11 +8,12 @@ every logged value EXCEPT the excluded keys below: numbers for exact equality (N
 differing numbers is reported too), strings (sample texts, roles) for exact equality. Per run it prints the values
 compared, the values that differ (the first --show of them with both values) and the keys present on one side only;
 then "compared N values over M runs, D differ". Exit status 1 when any value differs, any key is on one side only, or a
-run is missing or failed (non-zero rc in _summary.json) on either side; else 0.
+run is missing or failed (non-zero rc in _summary.json) on either side; else 0. Keys a later tree renamed are read
+under their new name (RENAMED: weight_sync/* became sync/*), so trees on both sides of a rename compare.
 
 Excluded (wall-clock, machine or throughput dependent; not behaviour), by the last path component or the whole key:
   elapsed_s, anything starting with timing_s/ or perf/ (perf/tokens_per_s, perf/peak_rss_gib: throughput, memory)
-  weight_sync/seconds, weight_sync/bytes_per_s         (timings; weight_sync/bytes, /buckets, /version ARE compared)
+  sync/seconds, sync/bytes_per_s         (timings; sync/bytes, /buckets, /version ARE compared)
   generic patterns, so that new timing keys are caught too:
     a component that ends in '_s', '_sec', '_secs', '_seconds', '_per_s', '_per_sec'  (e.g. elapsed_s, tokens_per_s)
     a component that is or starts/ends with 'seconds', 'sec', 'secs', 'time', 'timing', 'wall', 'duration',
@@ -41,7 +42,8 @@ OUT = HERE / "out"
 
 WORDS = {"seconds", "sec", "secs", "time", "timing", "wall", "duration", "latency", "throughput", "rss", "mem",
          "memory"}
-EXACT = {"elapsed_s", "weight_sync/seconds", "weight_sync/bytes_per_s"}
+EXACT = {"elapsed_s", "sync/seconds", "sync/bytes_per_s"}
+RENAMED = {"weight_sync/": "sync/"}  # old key prefix -> new
 PREFIXES = ("timing_s/", "perf/")
 SUFFIXES = ("_s", "_sec", "_secs", "_seconds", "_per_s", "_per_sec")
 
@@ -77,6 +79,7 @@ def load(run_dir: Path) -> dict[str, object]:
             row = json.loads(line)
             step = row.pop("step", None)
             for k, v in row.items():
+                k = next((new + k[len(old):] for old, new in RENAMED.items() if k.startswith(old)), k)
                 for path, leaf in flatten(v, f"step {step}/{k}"):
                     key, n = path, 1
                     while key in values:

@@ -269,7 +269,7 @@ def test_grpo_lora_vllm_sync_on_tied_model(tiny_tied_path, tmp_path):
     assert all(r["rollout/probe_trainer_moved"] > 1e-2 for r in rows), rows  # the adapter moved the policy
     adapter = sum(p.numel() * 4 for n, p in lora_model(model, *LORA[1:]).named_parameters() if ".lora_" in n)
     whole = sum(p.numel() * 4 for p in load_causal_lm(model, "sdpa").parameters())
-    assert all(r["weight_sync/adapter_only"] == 1 and r["weight_sync/bytes"] == adapter for r in rows), rows
+    assert all(r["sync/adapter_only"] == 1 and r["sync/bytes"] == adapter for r in rows), rows
     print(f"adapter-only sync: {adapter} bytes, {adapter / whole:.3f} of the model's {whole}")
     assert_adapter_export(out / "final")
 

@@ -183,7 +183,7 @@ def test_grpo_vllm_and_bound_zero_equals_synchronous(tmp_path):
     rows = [r for r in metrics(tmp_path / "sync") if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        assert r["rollout/logprob_max_abs_diff"] < 1e-3 and r["weight_sync/bytes"] > 0
+        assert r["rollout/logprob_max_abs_diff"] < 1e-3 and r["sync/bytes"] > 0
         assert r["actor/approx_kl"] < 1e-9  # one update per rollout: the ratio is 1
     run(_grpo(tmp_path / "async0", "--async_rollout", "--max_staleness", "0"), timeout=420, VLLM_HOST_IP="127.0.0.1")
     a, b = numbers(tmp_path / "sync"), numbers(tmp_path / "async0")

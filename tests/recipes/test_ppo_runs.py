@@ -115,7 +115,7 @@ def test_ppo_learns_with_colocated_vllm(tmp_path):
     rows_ = [r for r in metrics(out) if "reward/mean" in r]
     assert [r["step"] for r in rows_] == list(range(1, PPO_VLLM_STEPS + 1))
     for r in rows_:
-        assert r["rollout/logprob_max_abs_diff"] < 1e-3 and r["weight_sync/bytes"] > 0
+        assert r["rollout/logprob_max_abs_diff"] < 1e-3 and r["sync/bytes"] > 0
     rewards = [r["reward/mean"] for r in rows_]
     start, end = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
     print(f"ppo vllm reward start {start:.3f} end {end:.3f}: {[round(x, 3) for x in rewards]}")

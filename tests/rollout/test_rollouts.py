@@ -37,7 +37,7 @@ class RecordingEngine:
     def load_weights(self, actor, version):
         self.log.append(("sync", version, threading.current_thread().name))
         self.version = version
-        return {"weight_sync/version": version}
+        return {"sync/version": version}
 
     def close(self):
         pass

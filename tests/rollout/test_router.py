@@ -56,7 +56,7 @@ def test_grpo_routes_over_two_servers(vllm_server, second_server, tmp_path):
     rows = [r for r in metrics(out) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["weight_sync/servers"] == 2 and r["rollout/logprob_max_abs_diff"] < 1e-3, r
+        assert r["sync/servers"] == 2 and r["rollout/logprob_max_abs_diff"] < 1e-3, r
         assert 0.5 <= r["rollout/server_share_max"] < 1, r  # both servers served prompts
     assert (out / "final" / "model.safetensors").is_file()
 
@@ -69,7 +69,10 @@ def test_two_servers_route_sync_probe_and_survive_one_dying(vllm_server, second_
     8 prompts of 3 samples each answered in order, every prompt's samples from one server and both servers used;
     an episode's next turns (each prompt extended) go to their first turn's server. Then the second server is
     killed: the next call warns once, its prompts go to the first server and every row comes back; the next sync
-    counts one server."""
+    counts one server. Before that, vLLM's /weight_checker: after the sync both servers' weight checksums are equal;
+    one server's weights zeroed, the check names it (a sync raises then)."""
+    import requests
+
     from verl_kit.models import load_causal_lm
     from verl_kit.rollout import SamplingParams, VLLMServer
     from verl_kit.rollout.router import VLLMServers
@@ -80,7 +83,7 @@ def test_two_servers_route_sync_probe_and_survive_one_dying(vllm_server, second_
     servers = VLLMServers(clients)
     model = load_causal_lm(tiny_model_path).eval()
     m = servers.load_weights(model, version=1)
-    assert m["weight_sync/servers"] == 2 and m["rollout/logprob_max_abs_diff"] < 1e-3, m
+    assert m["sync/servers"] == 2 and m["rollout/logprob_max_abs_diff"] < 1e-3, m
     params = SamplingParams(n=3, max_new_tokens=4, temperature=1.0)
     ro = servers.generate(prompts, params)
     assert len(ro.prompt_ids) == 24 and (ro.response_mask.sum(-1) > 0).all()
@@ -90,6 +93,10 @@ def test_two_servers_route_sync_probe_and_survive_one_dying(vllm_server, second_
     turns = [p + ro.response_ids[3 * i][ro.response_mask[3 * i]].tolist() + [9] for i, p in enumerate(prompts)]
     servers.generate(turns, SamplingParams(n=1, max_new_tokens=4))
     assert servers.last_routes == first  # each next turn where its first turn went
+    assert servers._differing_servers() == []  # vLLM's /weight_checker: both hold the same weights, exactly
+    r = requests.post(second_server.url + "/weight_checker", json={"action": "reset"}, timeout=60,
+                      headers={"Authorization": f"Bearer {second_server.api_key}"})  # zeroes its weights
+    assert r.status_code == 200 and servers._differing_servers() == [second_server.url]
 
     second_server.stop()
     with caplog.at_level("WARNING"):
@@ -97,5 +104,5 @@ def test_two_servers_route_sync_probe_and_survive_one_dying(vllm_server, second_
     assert ro.prompt_ids == [p for p in prompts for _ in range(3)] and servers.alive == [0]
     assert sum(f"vLLM server {second_server.url} failed" in r.getMessage() for r in caplog.records) == 1
     m = servers.load_weights(model, version=2)
-    assert m["weight_sync/servers"] == 1 and m["rollout/logprob_max_abs_diff"] < 1e-3, m
+    assert m["sync/servers"] == 1 and m["rollout/logprob_max_abs_diff"] < 1e-3, m
     servers.close()

@@ -126,7 +126,7 @@ if __name__ == "__main__":
     out["metrics"] = metrics
     out["greedy_after"] = rows(engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))) \
         == hf_greedy(model, tok, prompts)
-    out["version"] = metrics["weight_sync/version"]
+    out["version"] = metrics["sync/version"]
     out["moved"] = [metrics["rollout/probe_trainer_moved"], metrics["rollout/probe_engine_moved"]]
     with torch.no_grad():  # the trainer moves on without a sync: the probe must catch it
         for p in model.parameters():
@@ -166,8 +166,8 @@ def test_colocated_generate_sync_probe():
     assert out["greedy_after"]
     m = out["metrics"]
     assert m["rollout/logprob_max_abs_diff"] < 1e-4  # the untied layout's exact sync (measured ~1e-6)
-    assert m["weight_sync/buckets"] > 3  # 0.05 MiB buckets: never the whole model at once
-    assert m["weight_sync/bytes"] > 0
+    assert m["sync/buckets"] > 3  # 0.05 MiB buckets: never the whole model at once
+    assert m["sync/bytes"] > 0
     assert out["version"] == 1
     assert out["moved"][0] > 1e-2 and abs(out["moved"][0] - out["moved"][1]) < 1e-4  # the engine followed the update
     assert "had no effect" in out["errors"][0] and "had no effect" in out["errors"][1], out["errors"]
@@ -232,7 +232,7 @@ def test_server_sync_matches_trained_policy(client, tokenizer, tiny_model_path):
     assert after != before
     metrics = client.load_weights(model)
     assert metrics["rollout/logprob_max_abs_diff"] < 1e-3
-    assert metrics["weight_sync/buckets"] > 3
+    assert metrics["sync/buckets"] > 3
     assert rows(client.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))) == after
 
 
@@ -265,7 +265,7 @@ def test_grpo_runs_against_the_shared_server(vllm_server, tmp_path):
     rows_ = [r for r in metrics(out) if "reward/mean" in r]
     assert [r["step"] for r in rows_] == [1, 2]
     for r in rows_:
-        assert r["rollout/logprob_max_abs_diff"] < 1e-3 and r["weight_sync/bytes"] > 0
+        assert r["rollout/logprob_max_abs_diff"] < 1e-3 and r["sync/bytes"] > 0
     assert (out / "final" / "model.safetensors").is_file()
 
 

@@ -136,17 +136,18 @@ def test_server_sync_matches_trainer_tied(tiny_tied_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_same_host_transport(vllm_server, tiny_model_path, tmp_path, monkeypatch):
-    """A server on a loopback URL gets the buckets through the kit's shm folder (only the slots' references cross the
-    HTTP RPC): the sync is exact like the inline one (~1e-6); the next sync writes the same slot files again (fresh
-    tokens); once committed the engine no longer reads them (zeroing every slot changes nothing); close() removes
-    them. The worker refuses references that name any other file (the endpoint takes them from HTTP clients): a file
-    outside the folder, one inside it under another name, a link named like a bucket, a path with '..'. Then the
-    inline path (--vllm_weight_sync_transport inline) on the same engine, exact too. On the session's shared server
-    (the untied tiny model), first given the base weights inline."""
+    """A server on a loopback URL gets the buckets through the kit's shm folder (only the slots' references cross
+    vLLM's weight-transfer API): the sync is exact like the streamed one (~1e-6); the next sync writes the same slot
+    files again (fresh tokens); once the update is finished the engine no longer reads them (zeroing every slot
+    changes nothing); close() removes them. The worker refuses references that name any other file (the API takes
+    them from HTTP clients): a file outside the folder, one inside it under another name, a link named like a bucket,
+    a path with '..', and a stream reference that is no http URL. Then the streamed path (--vllm_weight_sync_transport
+    stream: raw bytes pulled over HTTP from this process) on the same engine, exact too. On the session's shared
+    server (the untied tiny model), first given the base weights by the stream."""
     import requests
 
     from verl_kit.models import load_causal_lm, load_tokenizer
-    from verl_kit.rollout import VLLMServer, max_abs_diff, trainer_logprobs, transport, weight_sync
+    from verl_kit.rollout import VLLMServer, max_abs_diff, trainer_logprobs, transport
     from verl_kit.rollout.vllm_server import is_loopback_url
 
     assert is_loopback_url("http://127.0.0.1:8000") and is_loopback_url("http://localhost:1")
@@ -157,19 +158,20 @@ def test_same_host_transport(vllm_server, tiny_model_path, tmp_path, monkeypatch
     model = load_causal_lm(path, "sdpa")
     client = VLLMServer(server.url, tok, bucket_mb=0.05, probe_prompts=prompts, probe_threshold=float("inf"),
                         request_timeout_s=120)
-    client.transport = "inline"
+    client.transport = "stream"
     client.load_weights(model)  # the base weights, whatever an earlier user of the server synced
     client.transport = "auto"
     others = slot_mappings(server.proc.pid)  # slots of other clients still mapped (none when they closed)
-    sent, inline_sent = [], []
-    shared_encode, encode = transport.SharedBuckets.encode, weight_sync.encode
+    sent, streamed = [], []
+    shared_encode, stream_encode = transport.SharedBuckets.encode, transport.StreamedBuckets.encode
     monkeypatch.setattr(transport.SharedBuckets, "encode", lambda *a: sent.append(shared_encode(*a)) or sent[-1])
-    monkeypatch.setattr(weight_sync, "encode", lambda *a: inline_sent.append(encode(*a)) or inline_sent[-1])
+    monkeypatch.setattr(transport.StreamedBuckets, "encode",
+                        lambda *a: streamed.append(stream_encode(*a)) or streamed[-1])
     for i in range(2):  # two updates, two syncs
         out = sync_check(client, model, tok, prompts)
         assert_synced(out)
         assert i or out["before"] < 1e-4, out  # the engine started from the trainer's weights
-    assert len(sent) > 2 and not inline_sent and all(b.startswith(transport.SHM_PREFIX) for b in sent)
+    assert len(sent) > 2 and not streamed and all(b.startswith(transport.SHM_PREFIX) for b in sent)
     refs = [json.loads(b[len(transport.SHM_PREFIX):]) for b in sent]
     half = len(refs) // 2
     assert [p for p, _ in refs[:half]] == [p for p, _ in refs[half:]], refs  # the same slots, both syncs
@@ -189,29 +191,33 @@ def test_same_host_transport(vllm_server, tiny_model_path, tmp_path, monkeypatch
     link = os.path.join(folder, f"{os.getpid()}-{'b' * 32}.safetensors")
     open(inside, "wb").write(b"x" * 64)
     os.symlink(outside, link)
+    headers = {"Authorization": f"Bearer {server.api_key}"}
     try:
-        for ref in (str(outside), inside, link, os.path.join(folder, "..", os.path.basename(folder),
-                                                             f"{os.getpid()}-{'c' * 32}.safetensors"),
-                    "/etc/hostname"):
-            blob = transport.SHM_PREFIX + json.dumps([ref, "0" * 32])
-            r = requests.post(server.url + "/collective_rpc", json={"method": "verl_kit_stage", "args": [blob]},
-                              headers={"Authorization": f"Bearer {server.api_key}"}, timeout=60)  # the worker refuses
-            assert r.status_code >= 400, (ref, r.status_code, r.text[:300])
+        bad = [transport.SHM_PREFIX + json.dumps([ref, "0" * 32]) for ref in (
+            str(outside), inside, link,
+            os.path.join(folder, "..", os.path.basename(folder), f"{os.getpid()}-{'c' * 32}.safetensors"),
+            "/etc/hostname")] + [transport.PULL_PREFIX + json.dumps(["file:///etc/hostname", "0" * 32])]
+        for blob in bad:
+            r = requests.post(server.url + "/start_weight_update", headers=headers, timeout=60)
+            assert r.status_code == 200, r.text[:300]
+            r = requests.post(server.url + "/update_weights", json={"update_info": {"buckets": [blob]}},
+                              headers=headers, timeout=60)  # the worker refuses (and ends the update)
+            assert r.status_code >= 400, (blob, r.status_code, r.text[:300])
         assert outside.exists() and os.path.exists(inside) and os.path.islink(link)  # nothing read or deleted
     finally:
         os.unlink(inside)
         os.unlink(link)
 
     sent.clear()
-    client.transport = "inline"  # --vllm_weight_sync_transport inline
+    client.transport = "stream"  # --vllm_weight_sync_transport stream
     out = sync_check(client, model, tok, prompts)
     assert_synced(out)
-    assert inline_sent and not sent and not any(b.startswith(transport.SHM_PREFIX) for b in inline_sent)
+    assert streamed and not sent and all(b.startswith(transport.PULL_PREFIX) for b in streamed)
     client.transport = "auto"
     assert_synced(sync_check(client, model, tok, prompts))  # the slots again, so the server maps them
     assert slot_mappings(server.proc.pid) == others | set(files)
     client.close()  # the server stays (not this client's): it is asked to unmap the slots
-    assert not any(os.path.exists(f) for f in files) and not client._shared.slots
+    assert not any(os.path.exists(f) for f in files) and client._shared is None
     assert slot_mappings(server.proc.pid) == others
     print(f"same-host transport: {out}")
 
@@ -248,7 +254,7 @@ def test_grpo_sharded_tied_model_with_vllm(tiny_tied_path, tmp_path, config):
     rows = [r for r in metrics(out) if "rollout/logprob_max_abs_diff" in r]
     print(f"grpo {config} tied {time.time() - t0:.1f}s: {[r['rollout/logprob_max_abs_diff'] for r in rows]}")
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 and r["weight_sync/bytes"] > 0 for r in rows), rows
+    assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 and r["sync/bytes"] > 0 for r in rows), rows
     w0, w1 = load_weights(tiny_tied_path), load_weights(out / "final")
     moved = float((w1["model.embed_tokens.weight"] - w0["model.embed_tokens.weight"]).abs().max())
     assert moved > 1e-2, moved  # the tied embedding (= output layer) was trained
@@ -330,13 +336,24 @@ from verl_kit.models import load_causal_lm
 
 logging.basicConfig(level=logging.WARNING)
 model = load_causal_lm(sys.argv[1], "sdpa")
-shared = transport.SharedBuckets()
+shared, streamed = transport.SharedBuckets(), []
 got, kinds = {}, []
 
-def push(blobs, seconds):  # the worker's end: decode every bucket (a slot reference or inline base64)
-    kinds.append(["shm" if b.startswith(transport.SHM_PREFIX) else "inline" for b in blobs])
-    for b in blobs:
-        got.update({k: v.clone() for k, v in transport.decode(b)[0].items()})
+class Engine:  # the worker's end, in this process: decode every bucket (a slot reference, or pulled from the stream)
+    def start_weight_update(self, seconds):
+        pass
+
+    def update_weights(self, refs, seconds):
+        kinds.append(["shm" if b.startswith(transport.SHM_PREFIX) else "stream" for b in refs])
+        for b in refs:
+            got.update({k: v.clone() for k, v in transport.decode(b)[0].items()})
+
+    def finish_weight_update(self, version, seconds):
+        pass
+
+def stream():
+    streamed[:] = streamed or [transport.StreamedBuckets()]
+    return streamed[0]
 
 syncs = []
 for i in range(2):
@@ -344,7 +361,7 @@ for i in range(2):
         for p in model.parameters():
             p.add_(0.01)
     got.clear(), kinds.clear()
-    weight_sync.sync_weights(model, push, lambda seconds: None, 0.25, 60, shared)
+    weight_sync.sync_weights(model, Engine(), 0.25, 60, shared, stream)
     exact = all(torch.equal(got[weight_sync.engine_name(n)], p) for n, p in model.named_parameters())
     syncs.append({"kinds": kinds[:], "exact": exact, "slots": len(shared.slots)})
 print("RESULT " + json.dumps({"syncs": syncs, "left": os.listdir(transport.shm_dir())}), flush=True)
@@ -353,11 +370,11 @@ print("RESULT " + json.dumps({"syncs": syncs, "left": os.listdir(transport.shm_d
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root to mount a small tmpfs")
-def test_full_shm_falls_back_to_inline(tiny_model_path):
-    """A /dev/shm too small for the weights (a container's default is 64 MiB): here a 1 MiB tmpfs mounted over
-    /dev/shm in a private mount namespace, a 3 MB model in 0.25 MiB buckets. The slots that fit go through shared
-    memory, the bucket that does not fit and every later one go inline, with one warning that names the folder; both
-    syncs arrive exact, the slots are removed after the first, and nothing is left in the folder."""
+def test_full_shm_falls_back_to_the_stream(tiny_model_path):
+    """A /dev/shm too small for the weights (a container's default is 64 MiB): here a 1 MiB tmpfs mounted over /dev/shm
+    in a private mount namespace, a 3 MB model in 0.25 MiB buckets. The slots that fit go through shared memory, the
+    bucket that does not fit and every later one are streamed, with one warning that names the folder; both syncs arrive
+    exact, the slots are removed after the first, and nothing is left in the folder."""
     script = (f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -c "
               f"{shlex.quote(FULL_SHM_DRIVER)} {shlex.quote(tiny_model_path)}")
     p = subprocess.run(["unshare", "-m", "bash", "-c", script], cwd=REPO, env=env(), capture_output=True, text=True,
@@ -367,7 +384,7 @@ def test_full_shm_falls_back_to_inline(tiny_model_path):
     first, second = out["syncs"]
     assert first["exact"] and second["exact"], out
     assert first["kinds"][-1] and set(first["kinds"][-1]) == {"shm"}, out  # the slots that fit, in one call
-    assert ["inline"] in first["kinds"] and second["slots"] == 0, out
-    assert all(k == ["inline"] for k in second["kinds"]) and out["left"] == [], out
-    warnings = [line for line in p.stderr.splitlines() if "/dev/shm/verl_kit-" in line and "inline" in line]
+    assert ["stream"] in first["kinds"] and second["slots"] == 0, out
+    assert all(k == ["stream"] for k in second["kinds"]) and out["left"] == [], out
+    warnings = [line for line in p.stderr.splitlines() if "/dev/shm/verl_kit-" in line and "streaming" in line]
     assert len(warnings) == 1, p.stderr[-3000:]

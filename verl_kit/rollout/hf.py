@@ -2,7 +2,7 @@
 
 Every backend implements rollout.types.RolloutBackend: `generate(prompts, params) -> Rollout`, `load_weights(actor,
 version) -> dict` (the weight sync, called after every update with the optimizer step that produced the weights;
-returns weight_sync/* metrics), `score(seqs)` and `close()`. `rollout.backends.make_backend` builds the one `--rollout`
+returns sync/* metrics), `score(seqs)` and `close()`. `rollout.backends.make_backend` builds the one `--rollout`
 names: HF generate (below), a vLLM engine (rollout.vllm_engine) or a vLLM server's client (rollout.vllm_client).
 
 The HF-generate backend keeps a plain (unsharded, hook-free) copy of the policy on each process. Under ZeRO-3, calling
@@ -150,7 +150,7 @@ class HFGenerateBackend:
         for tensors, _ in gathered_buckets(actor, self.BUCKET_BYTES, self.sharding):
             for name, t in tensors.items():
                 self.model.get_parameter(name).copy_(t)
-        return {"weight_sync/seconds": time.time() - t0, "weight_sync/version": version}
+        return {"sync/seconds": time.time() - t0, "sync/version": version}
 
     def _prefill_once(self, distinct: list[list[int]], pad: int) -> _Kept | None:
         """The KV cache of each distinct prompt but its last token, computed once (generate would prefill every

@@ -104,6 +104,12 @@ class VLLMServers(SyncedBackend):
         return self.servers[0].pushes
 
     @property
+    def stream_address(self) -> str:
+        """The address the servers reach this process's stream at: the one facing the first server's host (servers
+        on hosts behind other interfaces of this one are not supported)."""
+        return self.servers[0].stream_address
+
+    @property
     def same_host(self) -> bool:
         return all(self.servers[i].same_host for i in self.alive)
 
@@ -164,19 +170,31 @@ class VLLMServers(SyncedBackend):
             self.routed[server] += len(prompts)
         return ro
 
-    def _push(self, blobs: list[str], seconds: float) -> None:
+    # vLLM's weight-transfer API (SyncedBackend), each call to every live server; a server that fails one is dropped.
+    def _each(self, call: str, *args) -> None:
         for i in list(self.alive):
             try:
-                self.servers[i]._push(blobs, seconds)
+                getattr(self.servers[i], call)(*args)
             except RuntimeError as e:
                 self._drop(i, f"weight sync: {str(e).splitlines()[0][:200]}")
 
-    def _commit(self, seconds: float) -> None:
-        for i in list(self.alive):
-            try:
-                self.servers[i]._commit(seconds)
-            except RuntimeError as e:
-                self._drop(i, f"weight sync: {str(e).splitlines()[0][:200]}")
+    def init_weight_transfer_engine(self, seconds: float) -> None:
+        self._each("init_weight_transfer_engine", seconds)
+
+    def start_weight_update(self, seconds: float) -> None:
+        self._each("start_weight_update", seconds)
+
+    def update_weights(self, refs: list[str], seconds: float) -> None:
+        self._each("update_weights", refs, seconds)
+
+    def finish_weight_update(self, version: int, seconds: float) -> None:
+        self._each("finish_weight_update", version, seconds)
+
+    def shutdown_weight_transfer_engine(self, seconds: float) -> None:
+        self._each("shutdown_weight_transfer_engine", seconds)
+
+    def engines_fed(self) -> int:
+        return len(self.alive)
 
     def _agree(self) -> None:
         """Every process drops the servers any process found failed (a collective), so syncs and probes stay in
@@ -192,28 +210,43 @@ class VLLMServers(SyncedBackend):
         """One gather of the weights, every bucket to each live server, then each server's probe; the homes are
         forgotten (every server's prefix cache was reset). Collective."""
         metrics = super().load_weights(actor, version)
+        differ = self._differing_servers()
         self._agree()  # the servers dropped here or elsewhere, during generation or this sync: probed nowhere
+        if reduce_metrics({}, {"differ": float(bool(differ))})["differ"]:
+            raise RuntimeError(f"weight sync: the servers hold different weights after it (vLLM's /weight_checker: "
+                               f"{', '.join(differ) or 'found on another process'} differ from "
+                               f"{self.servers[self.alive[0]].url}); stopping rather than sampling from two policies")
         probes = [self.servers[i].probe.check(self.servers[i].score, actor, self.pushes)
                   for i in self.alive if self.servers[i].probe is not None]
         for name in probes[0] if probes else ():
             metrics[name] = max(p[name] for p in probes)  # the worst server
         with self._lock:
             self.homes.forget()
-            metrics["weight_sync/servers"] = len(self.alive)
+            metrics["sync/servers"] = len(self.alive)
             total = max(sum(self.routed), 1)
             metrics["rollout/server_share_max"] = max(self.routed) / total  # 1/servers: spread evenly
         return metrics
+
+    def _differing_servers(self) -> list[str]:
+        """The exact check beside each server's probe (which bounds each against the trainer): every live server's
+        weight checksums (vLLM's /weight_checker) must equal the first's after a sync. The URLs of those that
+        differ; a server that does not answer is dropped. Only on the process that pushes (the others: [])."""
+        if not self.pushes:
+            return []
+        with ThreadPoolExecutor(len(self.alive)) as pool:
+            futures = {i: pool.submit(self.servers[i].weight_checksums, self.sync_timeout_s) for i in self.alive}
+        sums = {}
+        for i, future in futures.items():
+            try:
+                sums[i] = future.result()
+            except RuntimeError as e:
+                self._drop(i, f"weight check: {str(e).splitlines()[0][:200]}")
+        first = next(iter(sums.values()), None)
+        return [self.servers[i].url for i, s in sums.items() if s != first]
 
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         return self.servers[self.alive[0]].score(seqs)
 
     def close(self) -> None:
         """Ask each live server to unmap this run's weight-sync slots (VLLMServer.close, for the slots held here)."""
-        if self._shared is not None and self._shared.slots:
-            for i in self.alive:
-                server = self.servers[i]
-                try:
-                    server._rpc("verl_kit_release", [], server.connect_timeout_s, retries=0)
-                except RuntimeError as e:  # a server that is gone holds nothing
-                    logger.warning("vLLM server %s: slots not released: %s", server.url, e)
-        self._close_shared()
+        self._close_transports()

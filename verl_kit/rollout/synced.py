@@ -1,5 +1,6 @@
 """What the two vLLM backends share (rollout.vllm_engine.VLLMColocated, rollout.vllm_client.VLLMServer):
-`SyncedBackend`, the weight sync into the engine (rollout.weight_sync) followed by the probe; `to_rollout`, an engine's
+`SyncedBackend`, the weight sync into the engine through vLLM's weight-transfer API (rollout.weight_sync drives it,
+rollout.worker_extension is the engine on the workers' side) followed by the probe; `to_rollout`, an engine's
 completions as a Rollout; and `orphan_guard`, this process's guard over the vLLM processes it starts
 (verl_kit.launch.processes), which also removes its weight-sync slots when it dies.
 """
@@ -7,15 +8,24 @@ completions as a Rollout; and `orphan_guard`, this process's guard over the vLLM
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 import torch
 
 from verl_kit.launch import processes
 from verl_kit.rollout.probe import Probe
-from verl_kit.rollout.transport import SLOT_NAME, SharedBuckets, slot_dir
+from verl_kit.rollout.transport import SLOT_NAME, SharedBuckets, StreamedBuckets, slot_dir
 from verl_kit.rollout.types import Rollout, Sample, rollout_of_samples
 from verl_kit.rollout.weight_sync import sync_weights
+
+logger = logging.getLogger(__name__)
+
+# The worker extension an engine the kit syncs loads (it registers WEIGHT_TRANSFER_BACKEND with vLLM's factory in
+# each worker), and the engine's weight_transfer_config.
+WORKER_EXTENSION = "verl_kit.rollout.worker_extension.WorkerExtension"
+WEIGHT_TRANSFER_BACKEND = "verl_kit"
+WEIGHT_TRANSFER_CONFIG = {"backend": WEIGHT_TRANSFER_BACKEND}
 
 
 def orphan_guard() -> processes.OrphanGuard:
@@ -34,34 +44,69 @@ def to_rollout(prompts_n: list[list[int]], completions: list[tuple[list[int], li
 
 
 class SyncedBackend:
-    """Shared by both vLLM backends: weight sync into the engine, then the probe. `transport`: "auto" (same-host
-    slots in /dev/shm when the engine runs on this host) or "inline" (base64 through the RPC;
-    --vllm_weight_sync_transport)."""
+    """Shared by both vLLM backends: the weight sync into the engine through vLLM's weight-transfer API, then the
+    probe. A backend implements the API's calls (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+    `finish_weight_update`, `shutdown_weight_transfer_engine`, each with a deadline in seconds); `transport`: "auto"
+    (same-host slots in /dev/shm when the engine runs on this host, else the stream) or "stream" (every bucket's bytes
+    over HTTP from this process; --vllm_weight_sync_transport)."""
 
     probe: Probe | None
     bucket_mb: float
     sync_timeout_s: float
     transport: str = "auto"
     sharding = None  # the run's train.Sharding, which gathers the actor's full tensors (None: they are whole)
+    stream_address = "127.0.0.1"  # where the engines reach this process's StreamedBuckets
 
     def keep_prefixes(self) -> contextlib.AbstractContextManager:
         """A no-op: a vLLM engine caches prompt prefixes itself (RolloutBackend.keep_prefixes)."""
         return contextlib.nullcontext()
 
-    def _push(self, blobs: list[str], seconds: float) -> None:
+    def init_weight_transfer_engine(self, seconds: float) -> None:
+        """init_weight_transfer_engine, once, before the first update."""
         raise NotImplementedError
 
-    def _commit(self, seconds: float) -> None:
+    def start_weight_update(self, seconds: float) -> None:
+        """start_weight_update."""
+        raise NotImplementedError
+
+    def update_weights(self, refs: list[str], seconds: float) -> None:
+        """update_weights with these buckets' references (rollout.transport)."""
+        raise NotImplementedError
+
+    def finish_weight_update(self, version: int, seconds: float) -> None:
+        """finish_weight_update (tagged with the policy version), then the prefix cache reset: KV of the old policy
+        must not be reused."""
+        raise NotImplementedError
+
+    def shutdown_weight_transfer_engine(self, seconds: float) -> None:
+        """shutdown_weight_transfer_engine: the engine drops what this trainer left mapped."""
         raise NotImplementedError
 
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         raise NotImplementedError
 
     _shared: SharedBuckets | None = None  # the same-host slots, created at the first sync that uses them
+    _streamed: StreamedBuckets | None = None  # the stream, created at the first bucket that travels by it
+    _initialized = False
 
-    def _close_shared(self) -> None:
-        if self._shared is not None:
-            self._shared.close()
+    def _stream(self) -> StreamedBuckets:
+        if self._streamed is None:
+            self._streamed = StreamedBuckets(self.stream_address)
+        return self._streamed
+
+    def _close_transports(self, release: bool = True) -> None:
+        """Close the slots and the stream; `release`: first ask the engine to drop its mappings of the slots (which
+        would otherwise hold their memory in /dev/shm until the next run's first sync)."""
+        if release and self._initialized and self._shared is not None and self._shared.slots:
+            try:
+                self.shutdown_weight_transfer_engine(30)
+            except RuntimeError as e:  # an engine that is gone holds nothing
+                logger.warning("weight sync: the engine did not release this run's slots: %s", e)
+        for carrier in (self._shared, self._streamed):
+            if carrier is not None:
+                carrier.close()
+        self._shared = self._streamed = None
+        self._initialized = False
 
     @property
     def pushes(self) -> bool:
@@ -74,15 +119,22 @@ class SyncedBackend:
 
     def load_weights(self, actor, version: int = 0) -> dict:
         """Weight sync + probe. Collective: every training process calls it at the same point, after each update.
-        Returns weight_sync/* metrics (`version`: the optimizer step that produced these weights, the policy version
-        the next rollouts come from) and the probe's rollout/* metrics; raises RuntimeError when the probe fails."""
+        Returns sync/* metrics (`version`: the optimizer step that produced these weights, the policy version the
+        next rollouts come from) and the probe's rollout/* metrics; raises RuntimeError when the probe fails."""
         slots = self.pushes and self.same_host and self.transport == "auto" and os.path.isdir("/dev/shm")
         if slots and self._shared is None:
             self._shared = SharedBuckets()
-        metrics = sync_weights(actor, self._push if self.pushes else None, self._commit if self.pushes else None,
-                               self.bucket_mb, self.sync_timeout_s, self._shared if slots else None, self.sharding)
-        metrics["weight_sync/version"] = version
+        if self.pushes and not self._initialized:
+            self.init_weight_transfer_engine(self.sync_timeout_s)
+            self._initialized = True
+        metrics = sync_weights(actor, self if self.pushes else None, self.bucket_mb, self.sync_timeout_s,
+                               self._shared if slots else None, self._stream, self.sharding, version)
+        metrics["sync/bytes"] *= self.engines_fed()
         return self._probed(actor, metrics)
+
+    def engines_fed(self) -> int:
+        """Engines that received this sync (sync/bytes counts the bytes of each)."""
+        return 1
 
     def _probed(self, actor, metrics: dict) -> dict:
         """`metrics` with the probe's, once the engine holds the synced weights (raises when the probe fails)."""

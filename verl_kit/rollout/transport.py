@@ -1,14 +1,18 @@
 """How a weight-sync bucket travels from the trainer to a vLLM worker: the wire format and the same-host slots.
 
 A bucket is a dict of tensors plus aliases (the other names of a tied tensor, in the header's metadata), laid out as
-safetensors. It travels one of two ways (`--vllm_weight_sync_transport`):
+safetensors. Only a reference to it crosses vLLM's weight-transfer API (the `update_info` of an update); the bytes
+travel one of two ways (`--vllm_weight_sync_transport`):
 
-- inline (`encode`): base64 of the safetensors bytes in the RPC body, to a worker on any host;
 - same host (`SharedBuckets`): the trainer copies each gathered parameter straight into its slot, a 0600 file with an
   unguessable name in this user's private /dev/shm/verl_kit-<uid>, which trainer and worker both keep mapped from
-  one sync to the next; only `SHM_PREFIX` + the slot's path and a fresh token cross the RPC. The worker (`decode`)
+  one sync to the next; the reference is `SHM_PREFIX` + the slot's path and a fresh token. The worker (`decode`)
   reads only files of that folder, checked without following links, whose header carries the reference's token:
-  the server's RPC endpoint takes its arguments from HTTP clients.
+  the server's API takes its arguments from HTTP clients.
+- streamed (`StreamedBuckets`), to a worker on any host: the trainer serves the bucket's raw bytes over HTTP, from
+  one buffer, on an ephemeral port of the address that faces the engine's host; the reference is `PULL_PREFIX` + the
+  URL and a fresh token, the only path served; the worker pulls the body straight into its own buffer (`_pull`).
+  The token changes with every bucket, so a bucket is served only while its update is in flight.
 
 The measured cost of each is in bench/README.md. The trainer's side of the sync is rollout.weight_sync; the worker's,
 rollout.worker_extension. A killed trainer's slots are removed by its orphan guard (verl_kit.launch.processes, given
@@ -17,7 +21,6 @@ rollout.worker_extension. A killed trainer's slots are removed by its orphan gua
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import functools
@@ -27,8 +30,12 @@ import mmap
 import os
 import re
 import secrets
+import socket
 import stat
+import threading
 import weakref
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlparse
 
 import torch
 
@@ -36,7 +43,9 @@ logger = logging.getLogger(__name__)
 
 _ALIASES = "verl_kit.aliases"  # safetensors header metadata: {alias: name of the tensor sent}
 _TOKEN = "verl_kit.token"  # safetensors header metadata of a same-host bucket: the token its reference carries
-SHM_PREFIX = "shm:"  # a same-host bucket travels as "shm:" + json [path, token] (base64 has no ':')
+SHM_PREFIX = "shm:"  # a same-host bucket's reference: "shm:" + json [path, token]
+PULL_PREFIX = "pull:"  # a streamed bucket's reference: "pull:" + json [url, token]
+PULL_TIMEOUT_S = 60.0  # the worker's socket timeout while it pulls a streamed bucket (connect, each read)
 _SHM_ROOT = "/dev/shm"
 SLOT_NAME = re.compile(r"(\d+)-[0-9a-f]{32}\.safetensors")  # <pid of the writer>-<random>
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -59,7 +68,7 @@ def shm_dir() -> str:
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise RuntimeError(f"weight sync: {path} is not a private folder of this user (mode {oct(st.st_mode)}, "
-                           f"owner uid {st.st_uid}); remove it, or use --vllm_weight_sync_transport inline")
+                           f"owner uid {st.st_uid}); remove it, or use --vllm_weight_sync_transport stream")
     _sweep_once(path)
     return path
 
@@ -120,14 +129,18 @@ def _view_safetensors(buf) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
             for k, v in header.items()}, metadata
 
 
-def encode(tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> str:
-    """A bucket inline: base64 safetensors (aliases in the header), which crosses collective_rpc and the server's JSON
-    endpoint to any host."""
-    from safetensors.torch import save
-
-    metadata = {_ALIASES: json.dumps(aliases)} if aliases else None
-    tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
-    return base64.b64encode(save(tensors, metadata=metadata)).decode("ascii")
+def _write(buf, head: bytes, offsets: list[tuple[str, int]], tensors: dict[str, torch.Tensor]) -> None:
+    """The bucket laid out by `_layout` into the writable buffer `buf`: each tensor copied straight from the
+    (gathered) parameter, on whatever device, into its place. No view of `buf` outlives the call (a slot is unmapped
+    by close())."""
+    out = torch.frombuffer(buf, dtype=torch.uint8, count=len(head) + sum(
+        tensors[k].numel() * tensors[k].element_size() for k in tensors))
+    out[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    for k, offset in offsets:
+        t = tensors[k]
+        n = t.numel() * t.element_size()
+        out[len(head) + offset:len(head) + offset + n].view(t.dtype).view(t.shape).copy_(t)
+    del out
 
 
 class SharedBuckets:
@@ -146,12 +159,12 @@ class SharedBuckets:
     def __init__(self):
         self.slots: list[tuple[str, mmap.mmap]] = []
         self._paths: list[str] = []  # also removed when this object goes or the interpreter exits (a run that failed)
-        self.full = False  # a slot did not fit in /dev/shm: this backend sends inline from then on (sync_weights)
+        self.full = False  # a slot did not fit in /dev/shm: this backend streams from then on (sync_weights)
         weakref.finalize(self, _unlink_all, self._paths)
 
     def encode(self, index: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> str | None:
         """The bucket written into slot `index`; its reference. None when /dev/shm has no room for the slot: `full`
-        is then set (one warning), and the caller sends this bucket and every later one inline."""
+        is then set (one warning), and the caller streams this bucket and every later one (StreamedBuckets)."""
         token = secrets.token_hex(16)
         head, offsets, size = _layout(tensors, {**({_ALIASES: json.dumps(aliases)} if aliases else {}), _TOKEN: token})
         try:
@@ -166,18 +179,13 @@ class SharedBuckets:
                 raise
             self.full = True
             vfs = os.statvfs(shm_dir())
-            logger.warning("weight sync: %s is full (%.0f MiB free, a %.0f MiB bucket to place): sending the weights "
-                           "inline from now on (~10x slower; a container's /dev/shm is 64 MiB unless started with a "
-                           "larger --shm-size)", shm_dir(), vfs.f_bavail * vfs.f_frsize / 2**20, size / 2**20)
+            logger.warning("weight sync: %s is full (%.0f MiB free, a %.0f MiB bucket to place): streaming the "
+                           "weights over loopback from now on (slower; a container's /dev/shm is 64 MiB unless "
+                           "started with a larger --shm-size)", shm_dir(), vfs.f_bavail * vfs.f_frsize / 2**20,
+                           size / 2**20)
             return None
         path, buf = self.slots[index]
-        out = torch.frombuffer(buf, dtype=torch.uint8, count=size)
-        out[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-        for k, offset in offsets:  # straight from the (gathered) parameter, on whatever device, into the slot
-            t = tensors[k]
-            n = t.numel() * t.element_size()
-            out[len(head) + offset:len(head) + offset + n].view(t.dtype).view(t.shape).copy_(t)
-        del out  # no view may outlive the call: close() unmaps
+        _write(buf, head, offsets, tensors)
         return SHM_PREFIX + json.dumps([path, token])
 
     def _create(self, size: int) -> tuple[str, mmap.mmap]:
@@ -207,6 +215,100 @@ class SharedBuckets:
         self.slots.clear()
 
 
+def local_address_towards(host: str) -> str:
+    """This host's address on the interface that routes to `host` (a UDP socket's connect sends nothing): the address
+    an engine on `host` reaches this process at. 127.0.0.1 for a loopback host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return s.getsockname()[0]
+
+
+class StreamedBuckets:
+    """The trainer's end of the streamed transport (one per engine backend): a small HTTP server on an ephemeral port
+    of `address` (the one facing the engines' hosts) that serves the bucket of the update in flight, raw safetensors
+    bytes from one buffer reused from bucket to bucket, at the path of a fresh random token; anything else gets 404.
+    `encode` replaces the bucket (and the token), so a bucket is readable only until the next one is written: the
+    trainer writes the next only after every engine's update call for this one returned. Closed with the backend
+    (and when collected)."""
+
+    def __init__(self, address: str = "127.0.0.1"):
+        self._buf = bytearray()
+        self._served: tuple[str, int] | None = None  # (token, size) of the bucket in flight
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                served = outer._served
+                if served is None or not secrets.compare_digest(self.path, "/" + served[0]):
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(served[1]))
+                self.end_headers()
+                self.wfile.flush()
+                self.connection.sendall(memoryview(outer._buf)[:served[1]])
+
+            def log_message(self, *args):  # one request per bucket: no access log
+                pass
+
+        self._server = ThreadingHTTPServer((address, 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://{address}:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, name="verl_kit-buckets", daemon=True).start()
+        weakref.finalize(self, _stop_server, self._server)
+
+    def encode(self, index: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str] | None = None) -> str:
+        """The bucket written into the served buffer; its reference (the URL and the token that is its path)."""
+        token = secrets.token_hex(16)
+        head, offsets, size = _layout(tensors, {_ALIASES: json.dumps(aliases)} if aliases else {})
+        self._served = None
+        if len(self._buf) < size:
+            self._buf = bytearray(size)
+        _write(self._buf, head, offsets, tensors)
+        self._served = token, size
+        return PULL_PREFIX + json.dumps([self.url, token])
+
+    def close(self) -> None:
+        self._served = None
+        _stop_server(self._server)
+
+
+def _stop_server(server: ThreadingHTTPServer) -> None:
+    if server.socket.fileno() >= 0:
+        server.shutdown()
+        server.server_close()
+
+
+def _pull(blob: str) -> bytearray:
+    """Worker side: the body of a streamed bucket, read straight into a buffer of its size."""
+    import http.client
+
+    try:
+        url, token = json.loads(blob[len(PULL_PREFIX):])
+        parsed = urlparse(url)
+        assert parsed.scheme == "http" and parsed.hostname and parsed.port and isinstance(token, str)
+    except (ValueError, TypeError, AssertionError):
+        raise PermissionError(f"weight sync: refused bucket reference {blob[:200]!r}") from None
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=PULL_TIMEOUT_S)
+    try:
+        conn.request("GET", "/" + token)
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"weight sync: {url} answered {r.status} for a bucket (a stale reference?)")
+        size = int(r.getheader("Content-Length"))
+        buf = bytearray(size)
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = r.readinto(view[got:])
+            if not n:
+                raise RuntimeError(f"weight sync: {url} closed after {got} of {size} bytes of a bucket")
+            got += n
+        return buf
+    finally:
+        conn.close()
+
+
 def _unlink_all(paths: list[str]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
@@ -233,22 +335,20 @@ _MAPPED: dict[str, tuple[tuple[int, int], mmap.mmap]] = {}  # worker side: slot 
 
 
 def decode(blob: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, aliases) of an encoded bucket. A same-host reference: the slot file is opened without following
+    """(tensors, aliases) of a bucket's reference. A streamed one: pulled from the trainer (the tensors view the
+    buffer it was read into). A same-host one: the slot file is opened without following
     links and checked (a regular 0600 file of this user, the reference's token in its header); it is mapped shared
     the first time (and again if it was replaced) and the mapping kept, so the tensors view pages the trainer wrote
     without a copy. `release_mappings` drops the mappings of slots a sync no longer uses."""
-    if not blob.startswith(SHM_PREFIX):
-        from safetensors.torch import load
-
-        raw = base64.b64decode(blob)
-        header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
-        return load(raw), json.loads(header.get("__metadata__", {}).get(_ALIASES, "{}"))
+    if blob.startswith(PULL_PREFIX):
+        tensors, metadata = _view_safetensors(_pull(blob))
+        return tensors, json.loads(metadata.get(_ALIASES, "{}"))
     path, token = slot_ref(blob)
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise FileNotFoundError(f"weight sync: bucket file {path} not found: is the engine on another host or in "
-                                f"another /dev/shm (a container)? Use --vllm_weight_sync_transport inline") from None
+                                f"another /dev/shm (a container)? Use --vllm_weight_sync_transport stream") from None
     except OSError as e:  # ELOOP: a link, which O_NOFOLLOW does not follow
         raise PermissionError(f"weight sync: refused {path}: {e.strerror}") from None
     try:

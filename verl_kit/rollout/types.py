@@ -46,7 +46,7 @@ class RolloutBackend(Protocol):
 
     def load_weights(self, actor, version: int = 0) -> dict:
         """Weight sync from the unwrapped `actor` (collective); `version`: the optimizer step that produced the
-        weights. Returns weight_sync/* (and the probe's rollout/*) metrics."""
+        weights. Returns sync/* (and the probe's rollout/*) metrics."""
 
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         """Per-token log-probs of seqs[i][1:] given their prefixes (temperature 1), as the backend computes them."""

@@ -4,14 +4,17 @@ instead of a hang when the server goes away."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from urllib.parse import urlparse
 
 import torch
 
 from verl_kit.errors import UserError
 from verl_kit.rollout.probe import Probe, default_probe_threshold
 from verl_kit.rollout.synced import SyncedBackend, to_rollout
+from verl_kit.rollout.transport import local_address_towards
 from verl_kit.rollout.types import Prompts, Rollout, SamplingParams
 from verl_kit.rollout.vllm_server import auth_headers, is_loopback_url, key_for
 
@@ -23,8 +26,9 @@ class _Transient(Exception):
 
 
 class VLLMServer(SyncedBackend):
-    """Client of an OpenAI-compatible vLLM server. Weight sync needs a server started by this module (or `make
-    vllm-serve`): VLLM_SERVER_DEV_MODE=1 and the verl_kit worker extension. `pushes`: False on training processes
+    """Client of an OpenAI-compatible vLLM server. Weight sync needs a server started by rollout.vllm_server
+    (or `make vllm-serve`): VLLM_SERVER_DEV_MODE=1 (vLLM's weight-transfer routes), the kit's worker extension and
+    weight-transfer engine. `pushes`: False on training processes
     other than the one that syncs the weights (they still join the ZeRO-3 gathers). `api_key`: sent with every
     request; default: the key this process was handed for `base_url` (its run's own server), else VLLM_API_KEY."""
 
@@ -84,22 +88,38 @@ class VLLMServer(SyncedBackend):
         raise RuntimeError(f"vLLM server {self.url}{path} unreachable after {retries + 1} attempts: "
                            f"{str(last).splitlines()[0][:300]}")
 
-    def _rpc(self, method: str, args: list[str], seconds: float, retries: int | None = None):
-        body = {"method": method, "args": args, "timeout": seconds}
-        return self._request("POST", "/collective_rpc", body, seconds, retries)
-
     @property
     def same_host(self) -> bool:
-        """A server on a loopback URL runs on this host and reads buckets from its /dev/shm; any other gets them
-        inline (base64 in the JSON body)."""
+        """A server on a loopback URL runs on this host and reads buckets from its /dev/shm; any other pulls them
+        from this process's stream."""
         return is_loopback_url(self.url)
 
-    def _push(self, blobs: list[str], seconds: float) -> None:
-        self._rpc("verl_kit_stage", blobs, seconds)
+    @functools.cached_property
+    def stream_address(self) -> str:
+        return local_address_towards(urlparse(self.url).hostname)
 
-    def _commit(self, seconds: float) -> None:
-        self._rpc("verl_kit_commit", [], seconds)
+    # vLLM's weight-transfer API (SyncedBackend), the server's routes of the same names. Starting and finishing an
+    # update are not retried (a second start, after a first that arrived, is refused); a retried update is ignored by
+    # the engine for the buckets it already loaded.
+    def init_weight_transfer_engine(self, seconds: float) -> None:
+        self._request("POST", "/init_weight_transfer_engine", {"init_info": {}}, seconds)
+
+    def start_weight_update(self, seconds: float) -> None:
+        self._request("POST", "/start_weight_update", None, seconds, retries=0)
+
+    def update_weights(self, refs: list[str], seconds: float) -> None:
+        self._request("POST", "/update_weights", {"update_info": {"buckets": refs}}, seconds)
+
+    def finish_weight_update(self, version: int, seconds: float) -> None:
+        self._request("POST", "/finish_weight_update", {"weight_version": str(version)}, seconds, retries=0)
         self._request("POST", "/reset_prefix_cache", None, seconds)
+
+    def shutdown_weight_transfer_engine(self, seconds: float) -> None:
+        self._request("POST", "/shutdown_weight_transfer_engine", None, seconds, retries=0)
+
+    def weight_checksums(self, seconds: float) -> dict[str, str]:
+        """vLLM's /weight_checker: the sha256 of every weight tensor the server's workers hold."""
+        return self._request("POST", "/weight_checker", {"action": "checksum"}, seconds)["checksums"]
 
     def _completions(self, prompts: list[list[int]], body: dict) -> list[dict]:
         out = self._request("POST", "/v1/completions", {"model": self.model, "prompt": prompts, **body},
@@ -122,12 +142,7 @@ class VLLMServer(SyncedBackend):
     def close(self) -> None:
         """Ask the server to unmap this run's slots, whose memory would otherwise stay held in /dev/shm until the
         next run's first sync (a server the run started is stopped by its owner: rollout.backends.start_servers)."""
-        if self._shared is not None and self._shared.slots:
-            try:
-                self._rpc("verl_kit_release", [], self.connect_timeout_s, retries=0)
-            except RuntimeError as e:  # a server that is gone holds nothing
-                logger.warning("vLLM server %s: slots not released: %s", self.url, e)
-        self._close_shared()
+        self._close_transports()
 
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         choices = self._completions(seqs, dict(max_tokens=1, temperature=1.0, prompt_logprobs=0))

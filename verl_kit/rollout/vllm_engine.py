@@ -32,10 +32,9 @@ import torch
 
 from verl_kit.errors import UserError
 from verl_kit.rollout.probe import Probe, default_probe_threshold
-from verl_kit.rollout.synced import SyncedBackend, orphan_guard, to_rollout
+from verl_kit.rollout.synced import WEIGHT_TRANSFER_CONFIG, WORKER_EXTENSION, SyncedBackend, orphan_guard, to_rollout
 from verl_kit.rollout.types import Prompts, Rollout, SamplingParams
 from verl_kit.rollout.weight_sync import write_adapter
-from verl_kit.rollout.worker_extension import WORKER_EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -132,20 +131,33 @@ class VLLMColocated(SyncedBackend):
             self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype,
                                 tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, seed=seed, worker_extension_cls=WORKER_EXTENSION,
+                                weight_transfer_config=WEIGHT_TRANSFER_CONFIG,
                                 logprobs_mode="processed_logprobs", enforce_eager=not gpu if enforce_eager is None
                                 else enforce_eager, **kwargs)
         self.tokenizer = tokenizer
         self.bucket_mb, self.sync_timeout_s, self.transport = bucket_mb, sync_timeout_s, transport
         self.probe = Probe(probe_prompts, probe_threshold or default_probe_threshold(dtype)) if probe_prompts else None
 
-    def _push(self, blobs: list[str], seconds: float) -> None:
-        self.llm.collective_rpc("verl_kit_stage", timeout=seconds, args=tuple(blobs))
+    # vLLM's weight-transfer API (SyncedBackend): what LLM's methods of the same names call on the workers, with a
+    # deadline (theirs have none).
+    def init_weight_transfer_engine(self, seconds: float) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", timeout=seconds, kwargs={"init_info": {}})
 
-    def _commit(self, seconds: float) -> None:
+    def start_weight_update(self, seconds: float) -> None:
         if self.sleep:
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("verl_kit_commit", timeout=seconds)
+        self.llm.collective_rpc("start_weight_update", timeout=seconds)
+
+    def update_weights(self, refs: list[str], seconds: float) -> None:
+        self.llm.collective_rpc("update_weights", timeout=seconds, kwargs={"update_info": {"buckets": refs}})
+
+    def finish_weight_update(self, version: int, seconds: float) -> None:
+        self.llm.collective_rpc("finish_weight_update", timeout=seconds)
+        self.llm.update_weight_version(str(version))
         self.llm.reset_prefix_cache()
+
+    def shutdown_weight_transfer_engine(self, seconds: float) -> None:
+        self.llm.collective_rpc("shutdown_weight_transfer_engine", timeout=seconds)
 
     def _run(self, seqs: list[list[int]], sampling):
         """Generate, waking a sleeping engine for the call and putting it back to sleep (level 1: weights to host
@@ -203,9 +215,9 @@ class VLLMColocated(SyncedBackend):
         if previous is not None and previous.lora_path != path:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         seconds = time.time() - t0
-        metrics = {"weight_sync/seconds": seconds, "weight_sync/bytes": n_bytes, "weight_sync/buckets": 1,
-                   "weight_sync/bytes_per_s": n_bytes / max(seconds, 1e-9), "weight_sync/adapter_only": 1,
-                   "weight_sync/version": version}
+        metrics = {"sync/seconds": seconds, "sync/bytes": n_bytes, "sync/buckets": 1,
+                   "sync/bytes_per_s": n_bytes / max(seconds, 1e-9), "sync/adapter_only": 1,
+                   "sync/version": version}
         return self._probed(actor, metrics)
 
     _adapter_root: str | None = None
@@ -218,6 +230,6 @@ class VLLMColocated(SyncedBackend):
             del self.llm  # the engine client's finalizer stops the engine core and its workers
             gc.collect()
             orphan_guard().forget(self._guard_key)
-        self._close_shared()
+        self._close_transports(release=False)  # the engine, and its mappings of the slots, are gone
         if self._adapter_root is not None:
             shutil.rmtree(self._adapter_root, ignore_errors=True)

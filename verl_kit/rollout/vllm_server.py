@@ -4,8 +4,9 @@ and process lifecycle. The client side is verl_kit.rollout.vllm_client.VLLMServe
     python -m verl_kit.rollout.vllm_server serve --model tiny-llama --port 8000     # what `make vllm-serve` runs
     VLLM_API_KEY=... python -m verl_kit.rollout.vllm_server serve --model PATH --host 0.0.0.0
 
-The weight sync needs vLLM's dev endpoints (/collective_rpc, /reset_prefix_cache, /sleep, ...), which can replace the
-model's weights or make it write them to files, and vLLM's own --api-key guards only /v1, /v2, /inference and /cohere.
+The weight sync needs vLLM's dev endpoints (its weight-transfer routes, /reset_prefix_cache; /collective_rpc and /sleep
+come with them), which can replace the model's weights or make it write them to files, and vLLM's own --api-key
+guards only /v1, /v2, /inference and /cohere.
 So every server the kit starts requires a key on every path, on loopback too (any local user, or a container on the
 host network, reaches 127.0.0.1): `RequireKey`, loaded through vLLM's public --middleware option. A run's own server
 gets a fresh random key (as Jupyter does), handed only to the run's own clients (`use_key`); `make vllm-serve` uses
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
@@ -29,8 +31,7 @@ import torch
 from verl_kit.errors import UserError
 from verl_kit.launch.processes import GuardedGroup
 from verl_kit.models.loading import resolve_model_path
-from verl_kit.rollout.synced import orphan_guard
-from verl_kit.rollout.worker_extension import WORKER_EXTENSION
+from verl_kit.rollout.synced import WEIGHT_TRANSFER_CONFIG, WORKER_EXTENSION, orphan_guard
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", host,
             "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
             *(["--max-model-len", str(max_model_len)] if max_model_len else []),
-            "--worker-extension-cls", WORKER_EXTENSION, "--middleware", MIDDLEWARE,
+            "--worker-extension-cls", WORKER_EXTENSION, "--weight-transfer-config", json.dumps(WEIGHT_TRANSFER_CONFIG),
+            "--middleware", MIDDLEWARE,
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
             # CPU: no chunked prefill, as for the colocated engine (rollout.vllm_engine.VLLMColocated): a seeded request
             # whose prompt is prefilled in pieces kills a CPU engine.
@@ -129,7 +131,7 @@ def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype:
 
 def serve_env(key: str, kv_cache_gib: int = 1) -> dict:
     """The server's environment: its key (RequireKey and vLLM's own /v1 check read VLLM_API_KEY) and the dev
-    endpoints the weight sync uses (/collective_rpc, /reset_prefix_cache)."""
+    endpoints the weight sync uses (vLLM's weight-transfer routes, /reset_prefix_cache)."""
     if not key:
         raise ValueError("a kit vLLM server needs a key")
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_API_KEY=key)

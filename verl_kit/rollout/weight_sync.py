@@ -1,11 +1,13 @@
-"""Weight sync, the trainer's side: the policy (ZeRO-3 shards) -> a vLLM engine, after every update.
+"""Weight sync, the trainer's side: the policy (ZeRO-3 or FSDP2 shards) -> a vLLM engine, after every update, through
+vLLM's weight-transfer API.
 
-Every process gathers the parameters in buckets of at most `bucket_mb` MiB (`deepspeed.zero.GatheredParameters` per
-bucket, never the whole model at once); the process that pushes encodes each gathered bucket for where it travels
-(rollout.transport: same-host slots in /dev/shm, or inline base64) and hands it to the engine's workers through
-vLLM's public RPC surface, then commits it there (rollout.worker_extension, the code the workers load). The backends
-(rollout.synced.SyncedBackend) then reset the engine's prefix cache (KV of the old policy must not be reused) and
-check the sync with a probe (rollout.probe).
+Every process gathers the parameters in buckets of at most `bucket_mb` MiB (through the run's train.Sharding, never
+the whole model at once); the process that pushes writes each gathered bucket where it travels (rollout.transport:
+a same-host slot in /dev/shm, or the stream this process serves) and hands its reference to the engine in an
+`update_weights` call between `start_weight_update` and `finish_weight_update` (the backend's calls of vLLM's API,
+rollout.synced.SyncedBackend; the engine on the workers' side is rollout.worker_extension). The backends then reset
+the engine's prefix cache (KV of the old policy must not be reused) and check the sync with a probe
+(rollout.probe).
 
 A tied parameter (`tie_word_embeddings`: the output layer is the input embedding) is sent once but with every name it
 has in the module tree (`named_tensors`), so the engine reloads the tied output layer like an untied one.
@@ -20,7 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from verl_kit.models import lora
-from verl_kit.rollout.transport import SharedBuckets, encode
+from verl_kit.rollout.transport import SharedBuckets, StreamedBuckets
 
 _PREFIXES = ("module.", "_orig_mod.", "base_model.model.")  # DDP/DeepSpeed wrapper, torch.compile, PEFT
 
@@ -88,16 +90,16 @@ def _whole_params(model, params):
     yield lambda t: t
 
 
-def sync_weights(model, push: Callable[[list[str], float], None] | None, commit: Callable[[float], None] | None,
-                 bucket_mb: float, timeout_s: float, shared: SharedBuckets | None = None, sharding=None) -> dict:
-    """Gather `model` bucket by bucket, hand the encoded buckets to `push(blobs, seconds_left)`, then call
-    `commit(seconds_left)`. Same host (`shared` given: the backend chose same-host slots): each
-    bucket is written into its slot as it is gathered and every slot's reference goes in one call after the last;
-    otherwise each bucket goes inline, in a call of its own, as it is gathered. A /dev/shm with no room for a slot
-    (ENOSPC): that bucket and every later one, in this sync and the next, go inline, with one warning, and the slots
-    are removed after the commit. Processes that do not push (ranks without an engine) pass None but still take part
-    in the gathers. Raises TimeoutError once `timeout_s` is spent. Returns weight_sync/* metrics."""
-    same_host = shared is not None and not shared.full
+def sync_weights(model, engine, bucket_mb: float, timeout_s: float, shared: SharedBuckets | None,
+                 stream: Callable[[], StreamedBuckets], sharding=None, version: int = 0) -> dict:
+    """Gather `model` bucket by bucket into the engine: `engine.start_weight_update`, `engine.update_weights(refs)`,
+    then `engine.finish_weight_update(version)` (rollout.synced.SyncedBackend: vLLM's weight-transfer API). Same host
+    (`shared` given: the backend chose same-host slots): each bucket is written into its slot as it is gathered and
+    every slot's reference goes in one update after the last; otherwise each bucket is streamed (`stream()`, the
+    backend's StreamedBuckets) in an update of its own as it is gathered. A /dev/shm with no room for a slot (ENOSPC):
+    that bucket and every later one, in this sync and the next, are streamed, with one warning, and the slots are
+    removed after the finish. Processes that do not push (ranks without an engine) pass engine None but still take part
+    in the gathers. Raises TimeoutError once `timeout_s` is spent. Returns sync/* metrics (sync/bytes: one engine's)."""
     t0 = time.time()
     deadline = t0 + timeout_s
     n_bytes = n_buckets = 0
@@ -109,27 +111,29 @@ def sync_weights(model, push: Callable[[list[str], float], None] | None, commit:
                                "the engine is slow or gone")
         return remaining
 
+    if engine is not None:
+        engine.start_weight_update(left("update not started"))
     slots = []
     for tensors, aliases in gathered_buckets(model, int(bucket_mb * 2**20), sharding):
         n_buckets += 1
         n_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-        if push is not None and same_host:  # written now (the gathered bucket can go), sent in one call below
+        if engine is None:
+            continue
+        if shared is not None and not shared.full:  # written now (the gathered bucket can go), sent below
             ref = shared.encode(n_buckets - 1, tensors, aliases)
             if ref is not None:
                 slots.append(ref)
                 continue
-            same_host = False  # /dev/shm is full: this bucket and the rest inline
-        if push is not None:
-            push([encode(tensors, aliases)], left(f"bucket {n_buckets} not sent"))
+        engine.update_weights([stream().encode(n_buckets - 1, tensors, aliases)], left(f"bucket {n_buckets} not sent"))
     if slots:
-        push(slots, left("buckets not sent"))
-    if commit is not None:
-        commit(left("commit not started"))
+        engine.update_weights(slots, left("buckets not sent"))
+    if engine is not None:
+        engine.finish_weight_update(version, left("update not finished"))
     if shared is not None and shared.full:
-        shared.close()  # the worker read them in the commit; later syncs go inline
+        shared.close()  # the workers read them in this update; later syncs stream
     seconds = time.time() - t0
-    return {"weight_sync/seconds": seconds, "weight_sync/bytes": n_bytes, "weight_sync/buckets": n_buckets,
-            "weight_sync/bytes_per_s": n_bytes / max(seconds, 1e-9)}
+    return {"sync/seconds": seconds, "sync/bytes": n_bytes, "sync/buckets": n_buckets,
+            "sync/bytes_per_s": n_bytes / max(seconds, 1e-9), "sync/version": version}
 
 
 def write_adapter(model, path: str, sharding=None) -> int:
