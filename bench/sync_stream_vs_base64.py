@@ -153,12 +153,21 @@ def server_sync(args, path: str) -> dict:
                     raise RuntimeError(f"the server in {NS_B} did not start: see {log.name}") from None
                 time.sleep(5)
         model = load_causal_lm(path, "sdpa")
+        calls: dict[str, list[float]] = {}  # seconds per weight-transfer call, for the breakdown
+        for name in ("start_weight_update", "update_weights", "finish_weight_update"):
+            def timed(*a, _f=getattr(client, name), _n=name):
+                t0 = time.perf_counter()
+                _f(*a)
+                calls.setdefault(_n, []).append(time.perf_counter() - t0)
+            setattr(client, name, timed)
         syncs = []
         for i in range(args.server_syncs + 1):
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(1.0 + 1e-3)
+            calls.clear()
             m = client.load_weights(model, version=i)
+            m["calls_s"] = {k: [round(x, 4) for x in v] for k, v in calls.items()}
             print(f"server sync {i}: {m}", flush=True)
             if i:
                 syncs.append(m)

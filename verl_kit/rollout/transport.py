@@ -280,7 +280,7 @@ def _stop_server(server: ThreadingHTTPServer) -> None:
         server.server_close()
 
 
-def _pull(blob: str) -> bytearray:
+def _pull(blob: str):
     """Worker side: the body of a streamed bucket, read straight into a buffer of its size."""
     import http.client
 
@@ -297,7 +297,7 @@ def _pull(blob: str) -> bytearray:
         if r.status != 200:
             raise RuntimeError(f"weight sync: {url} answered {r.status} for a bucket (a stale reference?)")
         size = int(r.getheader("Content-Length"))
-        buf = bytearray(size)
+        buf = torch.empty(size, dtype=torch.uint8).numpy()  # not zero-filled first, as a bytearray would be
         view, got = memoryview(buf), 0
         while got < size:
             n = r.readinto(view[got:])
