@@ -110,11 +110,14 @@ clean:
 # Secrets (HF_TOKEN, WANDB_API_KEY, ...) are not sent with a job: export them where each node's `cluster-up` runs.
 #   make cluster-run RECIPE=recipes/dpo.py CONFIG=recipes/configs/dpo_tiny.yaml NODES=2 PROCS_PER_NODE=8 \
 #        ACCELERATE_CONFIG=accelerate_configs/zero3.yaml ARGS='--output_dir /shared/runs/dpo'
+#   make cluster-run RECIPE=recipes/grpo.py NODES=1 PROCS_PER_NODE=8 ROLLOUT_SERVERS=2 ARGS='--output_dir ...'
+#        (the trainer on one node, two vLLM servers on nodes of their own, started and stopped with the job)
 #   make cluster-status | cluster-logs [JOB=id] | cluster-stop [JOB=id] | cluster-down
 # DASHBOARD is the head's job API (http://HEAD_IP:8265 from another machine); CLUSTER_ARGS adds `run` flags such as
 # --node_timeout_s 60 --detach; LAUNCH_ARGS adds `accelerate launch` flags (e.g. --cpu).
 NODES ?= 1
 PROCS_PER_NODE ?= 1
+ROLLOUT_SERVERS ?= 0
 ACCELERATE_CONFIG ?= accelerate_configs/zero3.yaml
 CONFIG ?=
 ARGS ?=
@@ -136,8 +139,8 @@ cluster-up: install
 
 cluster-run: install
 	$(CLUSTER) run --address $(DASHBOARD) --recipe $(RECIPE) $(if $(CONFIG),--config $(CONFIG)) \
-		--nodes $(NODES) --procs_per_node $(PROCS_PER_NODE) --accelerate_config $(ACCELERATE_CONFIG) \
-		--launch_args '$(LAUNCH_ARGS)' $(CLUSTER_ARGS) -- $(ARGS)
+		--nodes $(NODES) --procs_per_node $(PROCS_PER_NODE) --rollout_servers $(ROLLOUT_SERVERS) \
+		--accelerate_config $(ACCELERATE_CONFIG) --launch_args '$(LAUNCH_ARGS)' $(CLUSTER_ARGS) -- $(ARGS)
 
 cluster-status: install
 	$(CLUSTER) status --address $(DASHBOARD)

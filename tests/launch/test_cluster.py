@@ -292,6 +292,40 @@ def test_killed_node_fails_the_job_in_bound_then_resume_completes(cluster, local
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_grpo_with_its_rollout_server_placed_on_another_node(cluster, tmp_path):
+    """`run --rollout_servers 1`: the placement group puts the trainer (one process) on one node and the kit's vLLM
+    server on the other; the job starts the server with its key, hands it to the recipe, and stops it at the end.
+    Every step's weight sync crosses the veth (the server's URL is the other node's address: streamed) and the probe
+    holds (fp32 bound 1e-3); GRPO learns the embedded task (grpo_tiny.yaml, 14 steps: the last 3 steps' mean reward
+    at least twice the first 2 steps' and 0.1 above, as the local HF run must); nothing is left on either node."""
+    import re
+
+    out = str(tmp_path / "ray")
+    cmd = ["ip", "netns", "exec", cluster.head_ns, sys.executable, "-m", "verl_kit.launch.cluster", "run",
+           "--address", DASHBOARD, "--recipe", "recipes/grpo.py", "--config", "recipes/configs/grpo_tiny.yaml",
+           "--nodes", "1", "--procs_per_node", "1", "--rollout_servers", "1", "--node_timeout_s",
+           str(NODE_TIMEOUT_S), "--stop_grace_s", "5", "--accelerate_config", "accelerate_configs/single.yaml", "--",
+           "--max_steps", "14", "--logging_steps", "1", "--output_dir", out]
+    p = subprocess.run(cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=450)
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    trainer_ip = re.search(r"\[cluster\] node 0: \S+ (\S+) ", log).group(1)
+    server_ip, url = re.search(r"\[cluster\] rollout server 0: \S+ (\S+): .* --port (\d+)", log).groups()
+    assert {trainer_ip, server_ip} == {HEAD_IP, WORKER_IP}, log[-6000:]  # one role per node
+    assert f"--vllm_server_url http://{server_ip}:{url}" in log and "[server 0] " in log, log[-6000:]
+    rows = [r for r in metrics(out) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, 15))
+    assert all(r["sync/bytes"] > 0 and r["rollout/logprob_max_abs_diff"] < 1e-3 for r in rows), rows
+    rewards = [r["reward/mean"] for r in rows]
+    start, end = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
+    print(f"reward start {start:.3f} end {end:.3f}: {[round(x, 3) for x in rewards]}")
+    assert end > 2 * start and end > start + 0.1, rewards
+    _assert_nothing_left(cluster, out)
+    assert not _procs_with(f"--port {url}"), _procs_with("vllm_server")  # the server stopped with the job
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_frozen_node_fails_the_job_by_heartbeat(cluster, tmp_path):
     """A node that stops answering (every process of the worker namespace SIGSTOPped: a hung machine or a cut

@@ -13,6 +13,17 @@ node (STRICT_SPREAD), starts `accelerate launch --machine_rank i --main_process_
 actor pinned to bundle i, streams every node's output as `[node i] ...`, and ends the whole job as soon as one node
 fails or stops answering for --node_timeout_s. The recipe never learns it runs on Ray.
 
+Roles: with --rollout_servers N (an online recipe) the placement group also holds N rollout bundles, each on a node
+of its own (apart from the trainer's; GPUs where the cluster has them). Before the trainer starts, the driver starts
+the kit's vLLM server (`python -m verl_kit.rollout.vllm_server serve`, the run's --model_name_or_path) on each of
+those nodes, on the node's address, with one fresh key for the job's servers, waits for their /health, and hands
+them to the recipe: `--rollout vllm-server --vllm_server_url <their URLs>`, the key in the trainer's VLLM_API_KEY
+(never on a command line, nor in the job's runtime_env). Each server runs under a reaper like a trainer's launch and
+stops with the job; the weight sync streams across hosts (rollout.transport).
+
+    python -m verl_kit.launch.cluster run --recipe recipes/grpo.py --nodes 1 --procs_per_node 8 --rollout_servers 2 \
+        --accelerate_config accelerate_configs/zero3.yaml -- --output_dir /shared/runs/grpo
+
 Nothing is left behind: each launch runs under a small reaper process (verl_kit.launch.processes.reap), detached
 from its actor and a child subreaper, so it still owns the training processes torchrun starts in their own sessions;
 it kills the whole tree when the launch ends, when it is told to stop, or when its actor dies (job stopped, driver
@@ -29,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -116,6 +128,27 @@ class NodeAgent:
             lines, self.lines = self.lines, []
         return lines, (self.rc if done else None)
 
+    def wait_healthy(self, url: str, key: str, timeout_s: float) -> None:
+        """For a rollout server's launch: return once `url`/health answers 200 with the key; raise if the launch
+        ends first or timeout_s passes."""
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.reader is not None and not self.reader.is_alive():
+                raise RuntimeError(f"the server exited with {self.rc} while starting")
+            try:
+                req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {key}"})
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server at {url} was not healthy after {timeout_s:.0f}s")
+            time.sleep(1)
+
     def stop(self, grace_s: float) -> int | None:
         """Ask the reaper to end the launch; kill the whole tree if it has not after grace_s."""
         import psutil
@@ -163,17 +196,20 @@ def _say(msg: str) -> None:
     print(f"[cluster] {msg}", flush=True)
 
 
-def _bundle(args) -> tuple[dict, int]:
-    """The resources reserved on each node, and the GPUs among them."""
+def _bundles(args) -> tuple[list[dict], list[int]]:
+    """The placement group's bundles, the trainer's nodes first, then one per rollout server; the GPUs of each."""
     import ray
 
-    gpus = args.gpus_per_node
-    if gpus < 0:
-        gpus = args.procs_per_node if ray.cluster_resources().get("GPU", 0) > 0 else 0
-    return {"CPU": args.cpus_per_node, **({"GPU": gpus} if gpus else {})}, gpus
+    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    gpus = args.gpus_per_node if args.gpus_per_node >= 0 else (args.procs_per_node if has_gpus else 0)
+    server_gpus = args.gpus_per_server if args.gpus_per_server >= 0 else (1 if has_gpus else 0)
+    trainer = {"CPU": args.cpus_per_node, **({"GPU": gpus} if gpus else {})}
+    server = {"CPU": args.cpus_per_server, **({"GPU": server_gpus} if server_gpus else {})}
+    return ([trainer] * args.nodes + [server] * args.rollout_servers,
+            [gpus] * args.nodes + [server_gpus] * args.rollout_servers)
 
 
-def _placed(args, pg, bundle: dict) -> bool:
+def _placed(args, pg, bundles: list[dict]) -> bool:
     """Wait for the placement group; False (after saying why) if the cluster cannot hold it in time."""
     import ray
     from ray.exceptions import GetTimeoutError
@@ -183,20 +219,21 @@ def _placed(args, pg, bundle: dict) -> bool:
         return True
     except GetTimeoutError:
         alive = [f"{n['NodeManagerAddress']} {n['Resources']}" for n in ray.nodes() if n["Alive"]]
-        _say(f"error: could not place {args.nodes} nodes x {bundle} (one bundle per node, STRICT_SPREAD) within "
-             f"{args.placement_timeout_s}s; alive nodes: {alive or 'none'}")
+        servers = f" + {args.rollout_servers} rollout server(s) x {bundles[-1]}" if args.rollout_servers else ""
+        _say(f"error: could not place {args.nodes} trainer node(s) x {bundles[0]}{servers} (one bundle per node, "
+             f"STRICT_SPREAD) within {args.placement_timeout_s}s; alive nodes: {alive or 'none'}")
         return False
 
 
-def _add_agents(args, pg, gpus: int, agents: list) -> None:
+def _add_agents(args, pg, bundles: list[dict], gpus: list[int], agents: list) -> None:
     """One NodeAgent per bundle, appended to `agents` as they are created so the caller can always clean them up."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     Agent = ray.remote(NodeAgent)
-    for i in range(args.nodes):
+    for i, (bundle, n_gpus) in enumerate(zip(bundles, gpus)):
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-        agents.append(Agent.options(scheduling_strategy=strategy, num_cpus=args.cpus_per_node, num_gpus=gpus,
+        agents.append(Agent.options(scheduling_strategy=strategy, num_cpus=bundle["CPU"], num_gpus=n_gpus,
                                     max_concurrency=4, name=None).remote(i))
 
 
@@ -208,14 +245,66 @@ def _node_env(args, info: dict) -> tuple[dict, list[str]]:
     chosen = []
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         value = os.environ.get(var)
-        if info["ifname"] and (not value or (value == "lo" and args.nodes > 1)):
+        if info["ifname"] and (not value or (value == "lo" and args.nodes + args.rollout_servers > 1)):
             env[var] = value = info["ifname"]
         chosen.append(str(value))
     return env, chosen
 
 
-def _start_nodes(args, agents: list) -> list[dict]:
-    """Start `accelerate launch` on every node, rendezvousing on node 0; returns each node's info()."""
+def recipe_value(args, name: str) -> str | None:
+    """The value of the recipe's --<name> in the job's recipe arguments, else in its --config yaml, else None."""
+    rargs = list(args.recipe_args)
+    for k, a in enumerate(rargs):
+        if a == f"--{name}" and k + 1 < len(rargs):
+            return rargs[k + 1]
+        if a.startswith(f"--{name}="):
+            return a.split("=", 1)[1]
+    if args.config:
+        import yaml
+
+        with open(args.config) as f:
+            value = (yaml.safe_load(f) or {}).get(name)
+        return None if value is None else str(value)
+    return None
+
+
+def server_command(args, ip: str, port: int) -> list[str]:
+    """The command of one rollout server: the kit's vLLM server (what `make vllm-serve` runs) serving the run's
+    initial policy on the node's address; its key comes in VLLM_API_KEY."""
+    model = recipe_value(args, "model_name_or_path")
+    if model is None:  # a documented lazy load: the CLI and the job driver run without torch
+        from verl_kit.config import TrainConfig
+
+        model = TrainConfig.model_name_or_path
+    return [sys.executable, "-m", "verl_kit.rollout.vllm_server", "serve", "--model", model, "--host", ip,
+            "--port", str(port), *shlex.split(args.server_args or "")]
+
+
+def _start_servers(args, agents: list, key: str) -> list[dict]:
+    """Start the rollout servers, one on each of their bundles' nodes, all with the job's key; wait until each
+    answers /health. Hands their URLs to the trainer (the recipe's --rollout vllm-server --vllm_server_url).
+    Returns each server node's info()."""
+    import ray
+
+    infos = ray.get([a.info.remote() for a in agents], timeout=args.placement_timeout_s)
+    urls = []
+    for j, (agent, info) in enumerate(zip(agents, infos)):
+        port = ray.get(agent.free_port.remote(info["ip"]), timeout=60)
+        cmd = server_command(args, info["ip"], port)
+        urls.append(f"http://{info['ip']}:{port}")
+        _say(f"rollout server {j}: {info['host']} {info['ip']}: {shlex.join(cmd[1:])}")
+        ray.get(agent.start.remote(cmd, {"PYTHONUNBUFFERED": "1", "VLLM_API_KEY": key}, args.stop_grace_s),
+                timeout=60)
+    ray.get([a.wait_healthy.remote(url, key, args.server_timeout_s) for a, url in zip(agents, urls)],
+            timeout=args.server_timeout_s + 60)
+    _say(f"rollout servers ready: {', '.join(urls)}")
+    args.recipe_args += ["--rollout", "vllm-server", "--vllm_server_url", ",".join(urls)]
+    return infos
+
+
+def _start_nodes(args, agents: list, key: str | None) -> list[dict]:
+    """Start `accelerate launch` on every trainer node, rendezvousing on node 0 (with the rollout servers' key in
+    VLLM_API_KEY when the job placed servers); returns each node's info()."""
     import ray
 
     infos = ray.get([a.info.remote() for a in agents], timeout=args.placement_timeout_s)
@@ -224,6 +313,8 @@ def _start_nodes(args, agents: list) -> list[dict]:
     ds_standard = args.nodes > 1 and _uses_deepspeed(args.accelerate_config)
     for i, (agent, info) in enumerate(zip(agents, infos)):
         env, chosen = _node_env(args, info)
+        if key:
+            env["VLLM_API_KEY"] = key
         cmd = launch_command(args, i, main_ip, port, ds_standard)
         _say(f"node {i}: {info['host']} {info['ip']} (GLOO/NCCL_SOCKET_IFNAME={'/'.join(chosen)}): "
              f"{shlex.join(cmd[1:])}")
@@ -231,20 +322,28 @@ def _start_nodes(args, agents: list) -> list[dict]:
     return infos
 
 
-def _supervise(args, agents: list, infos: list[dict], lost: set[int]) -> tuple[dict[int, str], list, bool]:
-    """Stream every node's output as `[node i] ...` until all launches ended, or a second after the first failure.
+def _label(args, i: int) -> str:
+    return f"node {i}" if i < args.nodes else f"server {i - args.nodes}"
 
-    Returns (node -> why it failed, in the order seen; each node's last --error_lines lines; whether every node
-    ended). Nodes whose actor died or stopped answering for --node_timeout_s are added to `lost` as they are found."""
+
+def _supervise(args, agents: list, infos: list[dict], lost: set[int]) -> tuple[dict[int, str], list, bool]:
+    """Stream every launch's output as `[node i] ...` (a rollout server's as `[server j] ...`) until every trainer
+    node's launch ended, or a second after the first failure.
+
+    Returns (node -> why it failed, in the order seen; each node's last --error_lines lines; whether every trainer
+    node ended). Nodes whose actor died or stopped answering for --node_timeout_s are added to `lost` as they are
+    found. A rollout server that ends is reported, not failed: the trainer's router drops it, or stops the run when
+    none is left."""
     import ray
     from ray.exceptions import RayActorError
 
     failed: dict[int, str] = {}
     done: set[int] = set()
+    trainers = set(range(args.nodes))
     tails = [collections.deque(maxlen=args.error_lines) for _ in agents]
     last_seen = [time.monotonic()] * len(agents)
     settle_until = None  # after the first failure, a second to hear from peers that fail with it
-    while len(done) < len(agents) and (settle_until is None or time.monotonic() < settle_until):
+    while not trainers <= done and (settle_until is None or time.monotonic() < settle_until):
         live = [i for i in range(len(agents)) if i not in done]
         refs = {agents[i].poll.remote(): i for i in live}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=args.node_timeout_s)
@@ -256,27 +355,37 @@ def _supervise(args, agents: list, infos: list[dict], lost: set[int]) -> tuple[d
             except RayActorError as e:
                 done.add(i)
                 lost.add(i)
-                failed[i] = (f"node {i} ({infos[i]['ip']}) lost: its Ray actor died "
-                             f"({type(e).__name__}: {str(e).splitlines()[0]})")
+                why = (f"{_label(args, i)} ({infos[i]['ip']}) lost: its Ray actor died "
+                       f"({type(e).__name__}: {str(e).splitlines()[0]})")
+                if i in trainers:
+                    failed[i] = why
+                else:
+                    _say(why)
                 continue
             last_seen[i] = now
             for line in lines:
-                print(f"[node {i}] {line}", flush=True)
+                print(f"[{_label(args, i)}] {line}", flush=True)
                 tails[i].append(line)
             if rc is not None:
                 done.add(i)
-                if rc != 0:
+                if i not in trainers:
+                    _say(f"rollout server {i - args.nodes} ({infos[i]['ip']}) exited with code {rc}")
+                elif rc != 0:
                     failed[i] = f"node {i} ({infos[i]['ip']}) failed with exit code {rc}"
         for i in live:
             if i not in done and now - last_seen[i] >= args.node_timeout_s:
                 done.add(i)
                 lost.add(i)
-                failed[i] = (f"node {i} ({infos[i]['ip']}) did not answer for {args.node_timeout_s:.0f}s "
-                             "(node lost or unreachable)")
+                why = (f"{_label(args, i)} ({infos[i]['ip']}) did not answer for {args.node_timeout_s:.0f}s "
+                       "(node lost or unreachable)")
+                if i in trainers:
+                    failed[i] = why
+                else:
+                    _say(why)
         if failed and settle_until is None:
             settle_until = now + 1.0
         time.sleep(args.poll_s)
-    return failed, tails, len(done) == len(agents)
+    return failed, tails, trainers <= done
 
 
 def _report(nodes: int, failed: dict[int, str], tails: list, all_ended: bool) -> int:
@@ -315,17 +424,19 @@ def drive(args) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `ray job stop`: run the finally below
     ray.init(log_to_driver=False)
-    bundle, gpus = _bundle(args)
+    bundles, gpus = _bundles(args)
+    key = secrets.token_urlsafe(32) if args.rollout_servers else None  # the job's servers' key: never printed
     pg, agents = None, []
     lost: set[int] = set()  # nodes that cannot be asked to stop: their actor died or stopped answering
     try:
-        pg = placement_group([bundle] * args.nodes, strategy="STRICT_SPREAD", name=f"verl-kit-{os.getpid()}")
-        if not _placed(args, pg, bundle):
+        pg = placement_group(bundles, strategy="STRICT_SPREAD", name=f"verl-kit-{os.getpid()}")
+        if not _placed(args, pg, bundles):
             return 1
-        _add_agents(args, pg, gpus, agents)
-        infos = _start_nodes(args, agents)
+        _add_agents(args, pg, bundles, gpus, agents)
+        server_infos = _start_servers(args, agents[args.nodes:], key) if args.rollout_servers else []
+        infos = _start_nodes(args, agents[:args.nodes], key) + server_infos
         failed, tails, all_ended = _supervise(args, agents, infos, lost)
-        return _report(len(agents), failed, tails, all_ended)
+        return _report(args.nodes, failed, tails, all_ended)
     finally:
         _cleanup(args, pg, agents, lost)
 
@@ -483,7 +594,9 @@ def run(args) -> int:
               "--cpus_per_node", str(args.cpus_per_node), "--gpus_per_node", str(args.gpus_per_node),
               "--node_timeout_s", str(args.node_timeout_s), "--placement_timeout_s", str(args.placement_timeout_s),
               "--stop_grace_s", str(args.stop_grace_s), "--main_process_port", str(args.main_process_port),
-              "--launch_args", args.launch_args or ""]
+              "--launch_args", args.launch_args or "", "--rollout_servers", str(args.rollout_servers),
+              "--cpus_per_server", str(args.cpus_per_server), "--gpus_per_server", str(args.gpus_per_server),
+              f"--server_args={args.server_args or ''}", "--server_timeout_s", str(args.server_timeout_s)]
     if args.config:
         driver += ["--config", args.config]
     entrypoint = shlex.join(driver + ["--", *args.recipe_args])
@@ -491,8 +604,9 @@ def run(args) -> int:
     job_id = client.submit_job(
         entrypoint=entrypoint, submission_id=args.job_id or f"verl-kit-{time.strftime('%Y%m%d-%H%M%S')}",
         runtime_env={"working_dir": args.working_dir, "excludes": WORKING_DIR_EXCLUDES, "env_vars": env})
+    servers = f" + {args.rollout_servers} rollout server(s) on nodes of their own" if args.rollout_servers else ""
     print(f"[cluster] submitted job {job_id} to {args.address}: {args.nodes} node(s) x {args.procs_per_node} "
-          f"process(es); output_dir {out} must be on storage every node sees", flush=True)
+          f"process(es){servers}; output_dir {out} must be on storage every node sees", flush=True)
     if args.detach:
         print(f"[cluster] follow: python -m verl_kit.launch.cluster logs --job_id {job_id} --follow", flush=True)
         return 0
@@ -581,6 +695,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         s.add_argument("--placement_timeout_s", type=float, default=300, help="wait this long for the nodes")
         s.add_argument("--stop_grace_s", type=float, default=10, help="SIGTERM-to-SIGKILL grace when stopping a node")
         s.add_argument("--main_process_port", type=int, default=0, help="rendezvous port on node 0; 0: a free one")
+        s.add_argument("--rollout_servers", type=int, default=0,
+                       help="vLLM servers the job places on nodes of their own (one bundle each, apart from the "
+                            "trainer's nodes), starts with a fresh key, hands to the recipe as --rollout vllm-server "
+                            "--vllm_server_url and stops with the job; 0: none (the recipe's own --rollout)")
+        s.add_argument("--cpus_per_server", type=float, default=1, help="CPUs reserved per rollout-server bundle")
+        s.add_argument("--gpus_per_server", type=int, default=-1,
+                       help="GPUs reserved per rollout-server bundle; -1: 1 if the cluster has GPUs, else 0")
+        s.add_argument("--server_args", default="--dtype float32",
+                       help="extra `python -m verl_kit.rollout.vllm_server serve` flags; the dtype must be the "
+                            "run's rollout dtype (bf16 runs: '--dtype bfloat16')")
+        s.add_argument("--server_timeout_s", type=float, default=600, help="wait this long for each server's /health")
         if driver:
             s.add_argument("--poll_s", type=float, default=0.5, help="log/heartbeat poll interval")
             s.add_argument("--error_lines", type=int, default=40, help="lines of a failed node's output to repeat")
