@@ -132,14 +132,20 @@ def _view_safetensors(buf) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 def _write(buf, head: bytes, offsets: list[tuple[str, int]], tensors: dict[str, torch.Tensor]) -> None:
     """The bucket laid out by `_layout` into the writable buffer `buf`: each tensor copied straight from the
     (gathered) parameter, on whatever device, into its place. No view of `buf` outlives the call (a slot is unmapped
-    by close())."""
+    by close()). The copies run on one thread: a memory-bound copy gains nothing from more, and on a CPU shared with
+    the engine's busy workers torch's thread pool made them 12x slower (SmolLM2, 538 MB: 1.53 s against 0.12 s)."""
     out = torch.frombuffer(buf, dtype=torch.uint8, count=len(head) + sum(
         tensors[k].numel() * tensors[k].element_size() for k in tensors))
     out[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-    for k, offset in offsets:
-        t = tensors[k]
-        n = t.numel() * t.element_size()
-        out[len(head) + offset:len(head) + offset + n].view(t.dtype).view(t.shape).copy_(t)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for k, offset in offsets:
+            t = tensors[k]
+            n = t.numel() * t.element_size()
+            out[len(head) + offset:len(head) + offset + n].view(t.dtype).view(t.shape).copy_(t)
+    finally:
+        torch.set_num_threads(threads)
     del out
 
 
