@@ -293,12 +293,15 @@ def test_killed_node_fails_the_job_in_bound_then_resume_completes(cluster, local
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_grpo_with_its_rollout_server_placed_on_another_node(cluster, tmp_path):
+def test_grpo_with_its_rollout_server_placed_on_another_node(cluster, tiny_tied_path, tmp_path):
     """`run --rollout_servers 1`: the placement group puts the trainer (one process) on one node and the kit's vLLM
     server on the other; the job starts the server with its key, hands it to the recipe, and stops it at the end.
     Every step's weight sync crosses the veth (the server's URL is the other node's address: streamed) and the probe
-    holds (fp32 bound 1e-3); GRPO learns the embedded task (grpo_tiny.yaml, 14 steps: the last 3 steps' mean reward
-    at least twice the first 2 steps' and 0.1 above, as the local HF run must); nothing is left on either node."""
+    holds (fp32 bound 1e-3; the probe also stops a run whose engine does not move with the trainer); GRPO learns the
+    embedded task (grpo_tiny.yaml, 14 steps: the last 3 steps' mean reward at least twice the first 2 steps' and 0.1
+    above, as the local HF run must); nothing is left on either node. On the tied tiny model (the output layer is the
+    input embedding, as in SmolLM2): the server's side of the tied-layout sync (rollout/worker_extension.py), whose
+    stale output layer gave probes of 0.07-0.13 before its fix."""
     import re
 
     out = str(tmp_path / "ray")
@@ -306,7 +309,7 @@ def test_grpo_with_its_rollout_server_placed_on_another_node(cluster, tmp_path):
            "--address", DASHBOARD, "--recipe", "recipes/grpo.py", "--config", "recipes/configs/grpo_tiny.yaml",
            "--nodes", "1", "--procs_per_node", "1", "--rollout_servers", "1", "--node_timeout_s",
            str(NODE_TIMEOUT_S), "--stop_grace_s", "5", "--accelerate_config", "accelerate_configs/single.yaml", "--",
-           "--max_steps", "14", "--logging_steps", "1", "--output_dir", out]
+           "--model_name_or_path", tiny_tied_path, "--max_steps", "14", "--logging_steps", "1", "--output_dir", out]
     p = subprocess.run(cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=450)
     log = p.stdout + p.stderr
     assert p.returncode == 0, log[-6000:]

