@@ -39,6 +39,23 @@ def test_launch_command_adds_the_multi_node_fields():
                            "recipes/dpo.py", "--config", "c.yaml", "--beta", "0.2"]
 
 
+def test_rollout_servers_serve_the_recipes_model(tmp_path):
+    """`run --rollout_servers`: each server runs the kit's `vllm_server serve` for the recipe's model (from its flags,
+    else its --config yaml) on the node's address, with --server_args."""
+    from verl_kit.launch.cluster import recipe_value, server_command
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model_name_or_path: from-yaml\nlearning_rate: 0.1\n")
+    args = parse(["_driver", "--rollout_servers", "2", "--server_args=--dtype bfloat16", "--config", str(cfg), "--",
+                  "--model_name_or_path=from-flag"])
+    assert recipe_value(args, "model_name_or_path") == "from-flag" and recipe_value(args, "learning_rate") == "0.1"
+    cmd = server_command(args, "10.0.0.3", 8100)
+    assert cmd[1:] == ["-m", "verl_kit.rollout.vllm_server", "serve", "--model", "from-flag", "--host", "10.0.0.3",
+                       "--port", "8100", "--dtype", "bfloat16"]
+    args = parse(["_driver", "--rollout_servers", "1", "--config", str(cfg)])
+    assert server_command(args, "10.0.0.3", 1)[5] == "from-yaml" and "float32" in server_command(args, "h", 1)
+
+
 def test_reaper_takes_the_whole_tree_down_when_its_agent_dies(tmp_path):
     """The reaper outlives a SIGKILLed agent (it is detached from it, as Ray SIGKILLs a dead worker's children) and
     then ends the launch and the rank the launch started in its own session (as torchrun does)."""

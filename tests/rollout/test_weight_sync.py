@@ -308,6 +308,36 @@ def test_slots_round_trip_reuse_and_refusals():
     assert not os.path.exists(orphan)
 
 
+def test_stream_round_trip_and_refusals():
+    """The streamed transport in one process: a bucket (with a tied alias) pulled through the worker's own decode
+    arrives bit for bit; the next bucket replaces it, so the first reference is refused (404) from then on; a wrong
+    token is refused too, and a reference that is no http URL is refused before anything is fetched."""
+    import requests
+
+    from verl_kit.rollout import transport
+
+    first = {"model.embed_tokens.weight": torch.randn(7, 5), "model.norm.weight": torch.randn(5).to(torch.bfloat16)}
+    stream = transport.StreamedBuckets()
+    try:
+        ref = stream.encode(0, first, {"lm_head.weight": "model.embed_tokens.weight"})
+        url, token = json.loads(ref[len(transport.PULL_PREFIX):])
+        assert url.startswith("http://127.0.0.1:") and len(token) == 32
+        got, aliases = transport.decode(ref)
+        assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+        assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in first.items())
+        second = {"model.norm.weight": torch.randn(5)}
+        ref2 = stream.encode(1, second)
+        assert torch.equal(transport.decode(ref2)[0]["model.norm.weight"], second["model.norm.weight"])
+        with pytest.raises(RuntimeError, match="404"):
+            transport.decode(ref)  # the bucket it named is gone
+        assert requests.get(url + "/" + "0" * 32, timeout=10).status_code == 404
+        for bad in (["file:///etc/hostname", token], ["http://127.0.0.1", token], [url, 7]):
+            with pytest.raises(PermissionError):
+                transport.decode(transport.PULL_PREFIX + json.dumps(bad))
+    finally:
+        stream.close()
+
+
 FULL_SHM_DRIVER = r'''
 import json, logging, os, sys
 import torch
