@@ -229,11 +229,11 @@ def test_grpo_sharded_tied_model_with_vllm(tiny_tied_path, tmp_path, config):
     t0 = time.time()
     run(launch_cmd(config, 2, "grpo.py", [
         "--model_name_or_path", tiny_tied_path, "--rollout", "vllm", "--vllm_probe_threshold", "1e-3",
-        "--learning_rate", "1e-2", "--output_dir", str(out), "--max_steps", "3", "--prompts_per_step", "8",
+        "--learning_rate", "1e-2", "--output_dir", str(out), "--max_steps", "2", "--prompts_per_step", "8",
         "--logging_steps", "1", "--dataset_test_split", "none"]), timeout=400, VLLM_HOST_IP="127.0.0.1")
     rows = [r for r in metrics(out) if "rollout/logprob_max_abs_diff" in r]
     print(f"grpo {config} tied {time.time() - t0:.1f}s: {[r['rollout/logprob_max_abs_diff'] for r in rows]}")
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 and r["sync/bytes"] > 0 for r in rows), rows
     w0, w1 = load_weights(tiny_tied_path), load_weights(out / "final")
     moved = float((w1["model.embed_tokens.weight"] - w0["model.embed_tokens.weight"]).abs().max())
