@@ -252,7 +252,8 @@ def _node_env(args, info: dict) -> tuple[dict, list[str]]:
 
 
 def recipe_value(args, name: str) -> str | None:
-    """The value of the recipe's --<name> in the job's recipe arguments, else in its --config yaml, else None."""
+    """The value of the recipe's --<name> in the job's recipe arguments, else in its --config yaml, else its default
+    (TrainConfig's; None for a flag it does not have)."""
     rargs = list(args.recipe_args)
     for k, a in enumerate(rargs):
         if a == f"--{name}" and k + 1 < len(rargs):
@@ -264,20 +265,20 @@ def recipe_value(args, name: str) -> str | None:
 
         with open(args.config) as f:
             value = (yaml.safe_load(f) or {}).get(name)
-        return None if value is None else str(value)
-    return None
+        if value is not None:
+            return str(value)
+    from verl_kit.config import TrainConfig  # a documented lazy load: the CLI and the job driver run without torch
+
+    value = getattr(TrainConfig, name, None)
+    return None if value is None else str(value)
 
 
 def server_command(args, ip: str, port: int) -> list[str]:
     """The command of one rollout server: the kit's vLLM server (what `make vllm-serve` runs) serving the run's
     initial policy on the node's address; its key comes in VLLM_API_KEY."""
-    model = recipe_value(args, "model_name_or_path")
-    if model is None:  # a documented lazy load: the CLI and the job driver run without torch
-        from verl_kit.config import TrainConfig
-
-        model = TrainConfig.model_name_or_path
-    return [sys.executable, "-m", "verl_kit.rollout.vllm_server", "serve", "--model", model, "--host", ip,
-            "--port", str(port), *shlex.split(args.server_args or "")]
+    return [sys.executable, "-m", "verl_kit.rollout.vllm_server", "serve", "--model",
+            recipe_value(args, "model_name_or_path"), "--host", ip, "--port", str(port),
+            *shlex.split(args.server_args or "")]
 
 
 def _start_servers(args, agents: list, key: str) -> list[dict]:
@@ -510,31 +511,19 @@ def up(args) -> int:
 
 def _output_dir(args) -> str:
     """The run's --output_dir as an absolute path: nodes run in copies of the working dir, so a relative path would
-    land in a different temporary directory on each node. It must be on storage every node sees."""
+    land in a different temporary directory on each node. It must be on storage every node sees. The recipe's flags
+    end with it, made absolute."""
+    path = os.path.abspath(recipe_value(args, "output_dir"))
     rargs = list(args.recipe_args)
     for k, a in enumerate(rargs):
         if a == "--output_dir" and k + 1 < len(rargs):
-            path = rargs[k + 1]
             del rargs[k:k + 2]
             break
         if a.startswith("--output_dir="):
-            path = a.split("=", 1)[1]
             del rargs[k]
             break
-    else:
-        path = None
-        if args.config:
-            import yaml
-
-            with open(args.config) as f:
-                path = (yaml.safe_load(f) or {}).get("output_dir")
-        if path is None:
-            # a documented lazy load: the CLI and the job driver run without torch
-            from verl_kit.config import TrainConfig
-
-            path = TrainConfig.output_dir
-    args.recipe_args = rargs + ["--output_dir", os.path.abspath(path)]
-    return os.path.abspath(path)
+    args.recipe_args = rargs + ["--output_dir", path]
+    return path
 
 
 def _client(address: str):
