@@ -152,6 +152,7 @@ def sigkill_alone_leaves_nothing(trainer: subprocess.Popen) -> float:
 
     from verl_kit.rollout import transport
 
+    os.kill(trainer.pid, signal.SIGSTOP)  # frozen while we look: it must not save and prune checkpoints meanwhile
     tree = psutil.Process(trainer.pid).children(recursive=True)
     slots = {os.path.join(transport.shm_dir(), n) for n in os.listdir(transport.shm_dir())
              if n.startswith(f"{trainer.pid}-")}
