@@ -148,11 +148,11 @@ def sigkill_alone_leaves_nothing(trainer: subprocess.Popen) -> float:
     parent chain, collected just before the kill: a colocated engine's core and worker) remains, nothing maps the
     run's weight-sync slots, and the slots and vLLM's own shared-memory queues are removed. -> seconds until the last
     process was gone."""
+    os.kill(trainer.pid, signal.SIGSTOP)  # frozen while we look (importing the kit takes seconds): no step goes on
     import psutil
 
     from verl_kit.rollout import transport
 
-    os.kill(trainer.pid, signal.SIGSTOP)  # frozen while we look: it must not save and prune checkpoints meanwhile
     tree = psutil.Process(trainer.pid).children(recursive=True)
     slots = {os.path.join(transport.shm_dir(), n) for n in os.listdir(transport.shm_dir())
              if n.startswith(f"{trainer.pid}-")}

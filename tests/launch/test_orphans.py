@@ -100,3 +100,58 @@ def test_guard_stops_what_it_was_told_about_and_nothing_else(tmp_path):
         driver.wait()
         for p in alive(keep):
             p.kill()
+
+
+GROUP_DRIVER = r"""
+import json, multiprocessing as mp, os, sys
+from verl_kit.launch import processes
+
+
+def child(q, method):  # an engine core: it starts its worker (a grandchild)
+    q.put(("child", os.getpid(), os.getpgid(0)))
+    w = mp.get_context(method).Process(target=worker, args=(q,))
+    w.start()
+    w.join()
+
+
+def worker(q):
+    q.put(("worker", os.getpid(), os.getpgid(0)))
+
+
+if __name__ == "__main__":
+    out = {"me": os.getpgid(0)}
+    for method in ("fork", "spawn"):  # vLLM forks on CPU and spawns once CUDA is initialized
+        ctx = mp.get_context(method)
+        q = ctx.Queue()
+        with processes.own_process_group():
+            inside = ctx.Process(target=child, args=(q, method))
+            inside.start()
+        after = ctx.Process(target=worker, args=(q,))
+        after.start()
+        for p in (inside, after):
+            p.join()
+        seen = sorted(q.get() for _ in range(3))
+        out[method] = {"codes": [inside.exitcode, after.exitcode], "seen": seen, "pid": inside.pid}
+    print(json.dumps(out))
+"""
+
+
+def test_processes_started_in_own_process_group_lead_their_own(tmp_path):
+    """processes.own_process_group, which a colocated engine starts under: a process multiprocessing forks or spawns
+    in the block leads a process group of its own (same pid: vLLM tracks it), its own children join that group, and
+    a process started after the block stays in its parent's group. So a SIGTERM to the job's process group reaches the
+    trainer and not its engine (the run: tests/recipes/test_grpo_runs.py::test_grpo_async_resume_bit_identical)."""
+    import json
+
+    script = tmp_path / "driver.py"
+    script.write_text(GROUP_DRIVER)
+    p = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env(), capture_output=True, text=True,
+                       timeout=120, start_new_session=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    for method in ("fork", "spawn"):
+        r = out[method]
+        assert r["codes"] == [0, 0], r
+        (_, child, child_group), *workers = r["seen"]  # the grandchild and the process started after the block
+        assert child == r["pid"] and child_group == child != out["me"], (method, r)
+        assert sorted(group for _, _, group in workers) == sorted([child, out["me"]]), (method, r)

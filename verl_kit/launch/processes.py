@@ -204,6 +204,65 @@ class GuardedGroup:
         self.guard.forget(self.key)
 
 
+# ---- a process group of their own for the processes an engine starts -----------------------------------------------
+
+_own_group = False  # set while own_process_group() is open: a child forked then leads a process group of its own
+
+
+def _lead_own_group_after_fork() -> None:
+    global _own_group
+    if _own_group:
+        _own_group = False  # the child's own children stay in its group
+        os.setpgid(0, 0)
+
+
+os.register_at_fork(after_in_child=_lead_own_group_after_fork)
+_group_wrapper: str | None = None
+
+
+def _group_leader_executable(python: str) -> str:
+    """A launcher for multiprocessing's spawn method: it makes the new process a process group leader, then execs
+    `python` with the arguments spawn gave it (same pid). Written once per process into a private temporary folder."""
+    global _group_wrapper
+    if _group_wrapper is None:
+        import atexit
+        import shlex
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="verl-kit-spawn-")
+        atexit.register(shutil.rmtree, folder, True)
+        path = os.path.join(folder, "own-group")
+        with open(path, "w") as f:
+            exe = shlex.quote(python)
+            lead = "import os, sys; os.setpgid(0, 0); os.execv(sys.argv[1], sys.argv[1:])"
+            f.write(f"#!/bin/sh\nexec {exe} -I -S -c '{lead}' {exe} \"$@\"\n")
+        os.chmod(path, 0o700)
+        _group_wrapper = path
+    return _group_wrapper
+
+
+@contextlib.contextmanager
+def own_process_group():
+    """The processes multiprocessing starts in this block (forked, or spawned as vLLM does once CUDA is initialized)
+    lead process groups of their own, and what they start joins them. A signal to this process's group (a job
+    scheduler's or a container's SIGTERM to `-PGID`, a terminal's Ctrl-C) then reaches this process, not a colocated
+    engine: the trainer's handler saves at the end of the step and stops the engine itself (the engine died first,
+    and the step with it, before). The orphan guard still stops them if this process dies. Meant for the short start of
+    an engine: a fork by another thread meanwhile gets a group of its own too."""
+    import multiprocessing.spawn
+
+    global _own_group
+    python = multiprocessing.spawn.get_executable()
+    multiprocessing.spawn.set_executable(_group_leader_executable(os.fsdecode(python)))
+    _own_group = True
+    try:
+        yield
+    finally:
+        _own_group = False
+        multiprocessing.spawn.set_executable(python)
+
+
 # ---- the orphan guard: the guard process -------------------------------------------------------------------------
 
 class Guard:

@@ -31,6 +31,7 @@ from dataclasses import replace
 import torch
 
 from verl_kit.errors import UserError
+from verl_kit.launch import processes
 from verl_kit.rollout.probe import Probe, default_probe_threshold
 from verl_kit.rollout.synced import WEIGHT_TRANSFER_CONFIG, WORKER_EXTENSION, SyncedBackend, orphan_guard, to_rollout
 from verl_kit.rollout.types import Prompts, Rollout, SamplingParams
@@ -124,10 +125,11 @@ class VLLMColocated(SyncedBackend):
                                 "(several processes: use --rollout vllm-server)")
             kwargs["distributed_executor_backend"] = "external_launcher"
         # vLLM starts the engine core as this process's child, the workers as the core's: the guard records them as
-        # they appear and stops them if this process dies before close() (by SIGKILL too).
+        # they appear and stops them if this process dies before close() (by SIGKILL too). They run in a process
+        # group of their own: a SIGTERM to the job's group reaches the trainer, which saves, then closes them.
         self._guard_key = f"engine-{os.getpid()}-{id(self)}"
         env = contextlib.nullcontext() if gpu else _cpu_env(kv_cache_gib, cpu_threads)
-        with orphan_guard().watch(self._guard_key), env:
+        with orphan_guard().watch(self._guard_key), processes.own_process_group(), env:
             self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype,
                                 tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, seed=seed, worker_extension_cls=WORKER_EXTENSION,
