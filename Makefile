@@ -105,8 +105,8 @@ clean:
 #   make cluster-up                                        local head: node and dashboard on 127.0.0.1:8265
 #   make cluster-up NODE_IP=10.0.0.1 DASHBOARD_HOST=0.0.0.0   head of a real cluster (then on every other node:)
 #   make cluster-up HEAD=10.0.0.1:6379 NODE_IP=10.0.0.2       join it
-# Beyond loopback `cluster-up` needs Ray's token auth: RAY_AUTH_MODE=token exported on every node and client, and the
-# token of `ray get-auth-token --generate` (~/.ray/auth_token, chmod 600, copied to each) or RAY_AUTH_TOKEN.
+# `cluster-up` always runs Ray's token auth: the head makes ~/.ray/auth_token (mode 600) on first use; copy it to every
+# node that joins and every machine that submits (or export RAY_AUTH_TOKEN there).
 # Secrets (HF_TOKEN, WANDB_API_KEY, ...) are not sent with a job: export them where each node's `cluster-up` runs.
 #   make cluster-run RECIPE=recipes/dpo.py CONFIG=recipes/configs/dpo_tiny.yaml NODES=2 PROCS_PER_NODE=8 \
 #        ACCELERATE_CONFIG=accelerate_configs/zero3.yaml ARGS='--output_dir /shared/runs/dpo'

@@ -68,7 +68,9 @@ def pytest_collection_finish(session):
 class SharedServer:
     """The session's server, started by the first test that asks for it and stopped after the last one (not at the
     end of the session: an idle vLLM server holds ~3 GB). It starts as a user starts one, `make vllm-serve` (with its
-    key in VLLM_API_KEY, as docs/rollouts.md says for a key of one's own), so every server test runs that command."""
+    key in VLLM_API_KEY, as docs/rollouts.md says for a key of one's own), so every server test runs that command;
+    over TLS with a self-signed certificate (`.tls`; `.server.ca_file` verifies it), so every server test, syncs and
+    recipe runs included, speaks https."""
 
     server = None
 
@@ -82,9 +84,15 @@ class SharedServer:
                     return ["make", "-s", "--no-print-directory", "-C", str(REPO), "vllm-serve",
                             f"MODEL={model_path}", f"VLLM_PORT={self.port}", f"VLLM_ARGS={args}"]
 
+            import tempfile
+
+            from verl_kit.rollout.vllm_server import self_signed_certificate
+
             os.environ["VLLM_HOST_IP"] = "127.0.0.1"
+            cert, key = self_signed_certificate(["127.0.0.1"], tempfile.mkdtemp(prefix="verl-kit-test-tls-"))
+            self.tls = {"ssl_certfile": cert, "ssl_keyfile": key}
             self.server = MakeServe(tiny_model_path, dtype="float32", max_num_seqs=64, max_model_len=512,
-                                    kv_cache_gib=1, startup_timeout_s=400)
+                                    kv_cache_gib=1, startup_timeout_s=400, **self.tls)
         assert self.server.proc.poll() is None, "the shared vLLM server died (a test must not kill it)"
         return self.server
 

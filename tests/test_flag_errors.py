@@ -44,6 +44,8 @@ CASES = [
     ("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", "http://a:1,http://b:1", "--vllm_num_servers", "2"],
      "--vllm_num_servers 2 starts servers; --vllm_server_url names running ones: pass one of them"),
     ("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", "http://a:1,http://a:1/"], "a URL named twice"),
+    ("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", "https://a:1", "--vllm_server_ca_file", "/no/ca.pem"],
+     "--vllm_server_ca_file /no/ca.pem: no such file"),
     ("grpo.py", ["--rollout", "vllm-server", "--vllm_num_servers", "0"], "--vllm_num_servers: must be >= 1, got 0"),
     ("grpo.py", ["--rollout", "vllm", "--async_rollout", "--vllm_enable_sleep_mode"],
      "--async_rollout keeps the engine generating during the update: it cannot sleep"),

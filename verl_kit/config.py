@@ -369,7 +369,7 @@ class VLLMConfig(Config):
     RESUME: ClassVar[dict] = dict.fromkeys(("vllm_server_url", "vllm_num_servers", "vllm_gpu_memory_utilization",
         "vllm_max_num_seqs", "vllm_enable_sleep_mode", "vllm_kv_cache_gib", "vllm_sync_bucket_mb",
         "vllm_sync_timeout_s", "vllm_weight_sync_transport", "vllm_probe_size", "vllm_probe_threshold",
-        "vllm_lora_sync"), "free")
+        "vllm_lora_sync", "vllm_server_ca_file"), "free")
 
     vllm_server_url: str | None = field(default=None, metadata={
         "help": "vllm-server: URL of a running server (`make vllm-serve`), or several comma-separated (every group of "
@@ -378,6 +378,9 @@ class VLLMConfig(Config):
     vllm_num_servers: int = field(default=1, metadata={
         "help": "vllm-server without --vllm_server_url: servers the run starts (each with its own key) and routes "
                 "over"})
+    vllm_server_ca_file: str | None = field(default=None, metadata={
+        "help": "vllm-server over https: the CA file (PEM) that verifies the servers' certificates (a self-signed "
+                "one: the certificate itself); unset: the system's CAs"})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vllm: GPUs per engine"})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={
         "help": "vllm: share of GPU memory for the engine's weights and KV cache"})
@@ -412,6 +415,8 @@ class VLLMConfig(Config):
         if self.server_urls and self.vllm_num_servers > 1:
             raise UserError(f"--vllm_num_servers {self.vllm_num_servers} starts servers; --vllm_server_url names "
                             "running ones: pass one of them")
+        if self.vllm_server_ca_file is not None and not os.path.isfile(self.vllm_server_ca_file):
+            raise UserError(f"--vllm_server_ca_file {self.vllm_server_ca_file}: no such file")
         if len(set(self.server_urls)) < len(self.server_urls):
             raise UserError(f"--vllm_server_url {self.vllm_server_url}: a URL named twice")
 

@@ -41,7 +41,7 @@ def test_launch_command_adds_the_multi_node_fields():
 
 def test_rollout_servers_serve_the_recipes_model(tmp_path):
     """`run --rollout_servers`: each server runs the kit's `vllm_server serve` for the recipe's model (from its flags,
-    else its --config yaml) on the node's address, with --server_args."""
+    else its --config yaml) on the node's address, over TLS with the job's certificate, with --server_args."""
     from verl_kit.launch.cluster import recipe_value, server_command
 
     cfg = tmp_path / "c.yaml"
@@ -49,11 +49,13 @@ def test_rollout_servers_serve_the_recipes_model(tmp_path):
     args = parse(["_driver", "--rollout_servers", "2", "--server_args=--dtype bfloat16", "--config", str(cfg), "--",
                   "--model_name_or_path=from-flag"])
     assert recipe_value(args, "model_name_or_path") == "from-flag" and recipe_value(args, "learning_rate") == "0.1"
-    cmd = server_command(args, "10.0.0.3", 8100)
+    tls = ("/t/cert.pem", "/t/key.pem")
+    cmd = server_command(args, "10.0.0.3", 8100, tls)
     assert cmd[1:] == ["-m", "verl_kit.rollout.vllm_server", "serve", "--model", "from-flag", "--host", "10.0.0.3",
-                       "--port", "8100", "--dtype", "bfloat16"]
+                       "--port", "8100", "--ssl_certfile", "/t/cert.pem", "--ssl_keyfile", "/t/key.pem", "--dtype",
+                       "bfloat16"]
     args = parse(["_driver", "--rollout_servers", "1", "--config", str(cfg)])
-    assert server_command(args, "10.0.0.3", 1)[5] == "from-yaml" and "float32" in server_command(args, "h", 1)
+    assert server_command(args, "10.0.0.3", 1, tls)[5] == "from-yaml" and "float32" in server_command(args, "h", 1, tls)
 
 
 def test_reaper_takes_the_whole_tree_down_when_its_agent_dies(tmp_path):
@@ -213,6 +215,12 @@ def cluster():
         while "nodes: 2 alive" not in (status := c.cli("status", "--address", DASHBOARD, timeout=60).stdout):
             assert time.time() < deadline, f"worker never joined:\n{status}"
             time.sleep(1)
+        # the head refuses a client without its token (`cluster up` always runs Ray's token auth)
+        probe = ("import urllib.request, urllib.error\ntry:\n    urllib.request.urlopen(%r, timeout=10); print(200)\n"
+                 "except urllib.error.HTTPError as e:\n    print(e.code)" % (DASHBOARD + "/api/jobs/"))
+        p = subprocess.run(["ip", "netns", "exec", head_ns, sys.executable, "-c", probe], capture_output=True,
+                           text=True, timeout=60, env=env())
+        assert p.stdout.strip() in ("401", "403"), (p.stdout, p.stderr[-2000:])
         yield c
     finally:
         for ns in (worker_ns, head_ns):
@@ -312,7 +320,8 @@ def test_killed_node_fails_the_job_in_bound_then_resume_completes(cluster, local
 @pytest.mark.timeout(480)
 def test_grpo_with_its_rollout_server_placed_on_another_node(cluster, tiny_tied_path, tmp_path):
     """`run --rollout_servers 1`: the placement group puts the trainer (one process) on one node and the kit's vLLM
-    server on the other; the job starts the server with its key, hands it to the recipe, and stops it at the end.
+    server on the other; the job starts the server with its key and a certificate made for the job (TLS: the key
+    never crosses the veth in clear), hands both to the recipe, and stops the server at the end.
     Every step's weight sync crosses the veth (the server's URL is the other node's address: streamed) and the probe
     holds (fp32 bound 1e-3; the probe also stops a run whose engine does not move with the trainer); GRPO learns the
     embedded task (grpo_tiny.yaml, 14 steps: the last 3 steps' mean reward at least twice the first 2 steps' and 0.1
@@ -333,7 +342,10 @@ def test_grpo_with_its_rollout_server_placed_on_another_node(cluster, tiny_tied_
     trainer_ip = re.search(r"\[cluster\] node 0: \S+ (\S+) ", log).group(1)
     server_ip, url = re.search(r"\[cluster\] rollout server 0: \S+ (\S+): .* --port (\d+)", log).groups()
     assert {trainer_ip, server_ip} == {HEAD_IP, WORKER_IP}, log[-6000:]  # one role per node
-    assert f"--vllm_server_url http://{server_ip}:{url}" in log and "[server 0] " in log, log[-6000:]
+    # over TLS: the job's certificate, which the trainer alone trusts (--vllm_server_ca_file)
+    assert f"--vllm_server_url https://{server_ip}:{url} --vllm_server_ca_file .verl_kit/servers-ca.pem" in log, \
+        log[-6000:]
+    assert "[server 0] " in log and "--ssl_certfile" in log, log[-6000:]
     rows = [r for r in metrics(out) if "reward/mean" in r]
     assert [r["step"] for r in rows] == list(range(1, 15))
     assert all(r["sync/bytes"] > 0 and r["rollout/logprob_max_abs_diff"] < 1e-3 for r in rows), rows

@@ -58,41 +58,44 @@ def test_job_env_keeps_plain_names_that_contain_a_secret_word_as_a_part():
 
 @pytest.fixture
 def ray_start(monkeypatch, tmp_path):
-    """`cluster up`'s calls to `ray start`, recorded instead of run; HOME in tmp_path (no ~/.ray/auth_token)."""
+    """`cluster up`'s calls to `ray start` (command, RAY_AUTH_MODE), recorded instead of run; HOME in tmp_path (no
+    ~/.ray/auth_token)."""
     calls = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **kw: calls.append((cmd, os.environ.get("RAY_AUTH_MODE"))) or 0)
     monkeypatch.setenv("HOME", str(tmp_path))
     for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(k, raising=False)
     return calls
 
 
-def test_up_beyond_loopback_needs_token_auth(ray_start, monkeypatch, tmp_path):
-    """A head or a joining node on a routable address: refused in one line without RAY_AUTH_MODE=token and a
-    token, or with a token file other users can read; started with them. A loopback head needs nothing. On main
-    every `up` started."""
-    for argv in (["up", "--node_ip", "10.0.0.1"], ["up", "--dashboard_host", "0.0.0.0"],
-                 ["up", "--address", "10.0.0.1:6379", "--node_ip", "127.0.0.1"]):
-        with pytest.raises(SystemExit, match=r"^error: cluster up on \S+ \(beyond loopback\) needs Ray's token auth"):
-            cluster.main(argv)
-    assert ray_start == []
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    with pytest.raises(SystemExit, match="no token in RAY_AUTH_TOKEN or"):
-        cluster.main(["up", "--node_ip", "10.0.0.1"])
+def test_up_always_runs_with_token_auth(ray_start, monkeypatch, tmp_path, capsys):
+    """Every `up` runs Ray with token auth, loopback included: a local head with no token generates one (mode 600,
+    said in one line) and starts with RAY_AUTH_MODE=token; RAY_AUTH_MODE=disabled is refused in one line; a node that
+    joins needs the head's token; a token file other users can read is refused; a token in the environment needs no
+    file. (The head refusing a client without the token: test_cluster.py's cluster fixture.) Before, a loopback head
+    ran without auth: any local user could submit jobs as the user who started it."""
     token = tmp_path / ".ray" / "auth_token"
-    token.parent.mkdir()
-    token.write_text("t" * 64)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    for argv in (["up"], ["up", "--node_ip", "10.0.0.1"]):
+        with pytest.raises(SystemExit, match=r"^error: cluster up on \S+: RAY_AUTH_MODE=disabled is refused"):
+            cluster.main(argv)
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    with pytest.raises(SystemExit, match=r"joining 10.0.0.1:6379 needs the head's Ray token, and there is none"):
+        cluster.main(["up", "--address", "10.0.0.1:6379", "--node_ip", "10.0.0.2"])
+    assert ray_start == [] and not token.exists()
+    assert cluster.main(["up"]) == 0  # a local head on 127.0.0.1: a token made on first use
+    assert ray_start[-1][1] == "token" and len(token.read_text()) == 64 and token.stat().st_mode & 0o777 == 0o600
+    assert f"generated Ray's auth token in {token} (mode 600)" in capsys.readouterr().out
+    first = token.read_text()
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    assert cluster.main(["up", "--node_ip", "10.0.0.1"]) == 0 and token.read_text() == first  # reused
     token.chmod(0o644)  # as `ray get-auth-token --generate` leaves it under umask 022
     with pytest.raises(SystemExit, match=f"readable by other users .*chmod 600 {token}"):
         cluster.main(["up", "--node_ip", "10.0.0.1"])
-    assert ray_start == []
     token.chmod(0o600)
-    assert cluster.main(["up", "--node_ip", "10.0.0.1"]) == 0
+    assert cluster.main(["up", "--address", "10.0.0.1:6379", "--node_ip", "10.0.0.2"]) == 0
     monkeypatch.setenv("RAY_AUTH_TOKEN", "t" * 64)  # a token in the environment: no file needed
     os.remove(token)
     assert cluster.main(["up", "--address", "10.0.0.1:6379", "--node_ip", "10.0.0.2"]) == 0
-    assert [c[c.index("--node-ip-address") + 1] for c in ray_start] == ["10.0.0.1", "10.0.0.2"]
-    monkeypatch.delenv("RAY_AUTH_MODE")
-    monkeypatch.delenv("RAY_AUTH_TOKEN")
-    assert cluster.main(["up"]) == 0  # a local head on 127.0.0.1
-    assert len(ray_start) == 3
+    assert [(c[c.index("--node-ip-address") + 1], mode) for c, mode in ray_start] == [
+        ("127.0.0.1", "token"), ("10.0.0.1", "token"), ("10.0.0.2", "token"), ("10.0.0.2", "token")]

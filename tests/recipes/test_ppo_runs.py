@@ -131,7 +131,8 @@ def test_ppo_async_with_server(vllm_server, tmp_path):
     weights; every sample an episode of the example feedback environment."""
     out = tmp_path / "run"
     run(launch_cmd("fsdp2.yaml", 2, "ppo.py", [
-        "--rollout", "vllm-server", "--vllm_server_url", vllm_server.url, "--async_rollout", "--output_dir", str(out),
+        "--rollout", "vllm-server", "--vllm_server_url", vllm_server.url,
+        "--vllm_server_ca_file", vllm_server.ca_file, "--async_rollout", "--output_dir", str(out),
         "--max_steps", "3", "--save_steps", "3", "--prompts_per_step", "8", "--logging_steps", "1",
         "--environment_factory", "examples/environments.py:KindFeedback", "--max_completion_length", "24",
         "--dataset_test_split", "none"],

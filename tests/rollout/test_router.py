@@ -33,8 +33,9 @@ def second_server(tiny_model_path):
 
     from verl_kit.rollout import ServerProcess
 
+    shared = SHARED.get(tiny_model_path)
     server = ServerProcess(tiny_model_path, dtype="float32", max_num_seqs=64, max_model_len=512, kv_cache_gib=1,
-                           startup_timeout_s=400, api_key=SHARED.get(tiny_model_path).api_key)
+                           startup_timeout_s=400, api_key=shared.api_key, **SHARED.tls)  # the same certificate
     yield server
     server.stop()
 
@@ -49,7 +50,8 @@ def test_grpo_routes_over_two_servers(vllm_server, second_server, tmp_path):
 
     out = tmp_path / "run"
     urls = f"{vllm_server.url},{second_server.url}"
-    run(recipe_cmd("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", urls, "--output_dir", str(out),
+    run(recipe_cmd("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", urls, "--vllm_server_ca_file",
+                               vllm_server.ca_file, "--output_dir", str(out),
                                "--max_steps", "2", "--prompts_per_step", "8", "--logging_steps", "1",
                                "--dataset_test_split", "none"]),
         timeout=600, VLLM_HOST_IP="127.0.0.1", VLLM_API_KEY=vllm_server.api_key)
@@ -95,6 +97,7 @@ def test_two_servers_route_sync_probe_and_survive_one_dying(vllm_server, second_
     assert servers.last_routes == first  # each next turn where its first turn went
     assert servers._differing_servers() == []  # vLLM's /weight_checker: both hold the same weights, exactly
     r = requests.post(second_server.url + "/weight_checker", json={"action": "reset"}, timeout=60,
+                      verify=second_server.ca_file,
                       headers={"Authorization": f"Bearer {second_server.api_key}"})  # zeroes its weights
     assert r.status_code == 200 and servers._differing_servers() == [second_server.url]
 

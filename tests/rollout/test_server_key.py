@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import tempfile
 
 import pytest
 
@@ -38,12 +39,14 @@ def test_the_run_server_refuses_requests_without_its_key(vllm_server, tokenizer)
              "OPTIONS /collective_rpc": ("OPTIONS", "/collective_rpc", None)}
     key = getattr(vllm_server, "api_key", "")
     wrong = [{}, {"Authorization": "Bearer not-the-key"}, {"Authorization": f"Basic {key}"}]
-    got = {f"{name} {h}": requests.request(m, url + path, json=body, headers=h, timeout=30).status_code
+    got = {f"{name} {h}": requests.request(m, url + path, json=body, headers=h, timeout=30,
+                                           verify=vllm_server.ca_file).status_code
            for name, (m, path, body) in calls.items() for h in wrong}
     assert got["POST /collective_rpc {}"] == 401, got  # the reproduction: 200 on main
     assert set(got.values()) == {401}, got
     assert len(key) >= 32
-    ok = requests.get(url + "/health", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    ok = requests.get(url + "/health", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                      verify=vllm_server.ca_file)
     assert ok.status_code == 200
     assert key not in " ".join(psutil.Process(vllm_server.proc.pid).cmdline())
     assert key not in open(vllm_server.log_path).read()
@@ -51,6 +54,15 @@ def test_the_run_server_refuses_requests_without_its_key(vllm_server, tokenizer)
     # A client with a wrong key is told what to set, in one line (not "no vLLM server answers").
     with pytest.raises(UserError, match="VLLM_API_KEY"):
         VLLMServer(url, tokenizer, api_key="not-the-key", connect_timeout_s=5, max_retries=0)
+    # The server speaks TLS (a self-signed certificate): a client that does not trust it is told, in one line, which
+    # flag to pass (not retried as if the server were down)
+    from verl_kit.rollout.vllm_server import self_signed_certificate
+
+    assert url.startswith("https://")
+    other, _ = self_signed_certificate(["127.0.0.1"], tempfile.mkdtemp())
+    with pytest.raises(UserError, match=r"its TLS certificate does not verify \(.+\): pass the CA file that signed "
+                                        r"it .* as --vllm_server_ca_file$"):
+        VLLMServer(url, tokenizer, ca_file=other, connect_timeout_s=5, max_retries=3)
 
 
 def test_make_vllm_serve_makes_a_key_and_says_how_to_pass_it(tiny_model_path, tmp_path, monkeypatch, capsys):
@@ -79,11 +91,33 @@ def test_make_vllm_serve_makes_a_key_and_says_how_to_pass_it(tiny_model_path, tm
     assert f"VLLM_API_KEY=$(cat {path}) python recipes/ppo.py --rollout vllm-server --vllm_server_url " \
            "http://127.0.0.1:8123" in out, out
 
+    from verl_kit.errors import UserError
+
     monkeypatch.setenv("VLLM_API_KEY", "the-users-own-key")
-    vllm_server.main(["serve", "--model", tiny_model_path, "--port", "8124", "--host", "0.0.0.0"])
+    # beyond loopback: TLS, or an explicit --allow_insecure_http (one warning line)
+    with pytest.raises(UserError, match=r"^--host 0.0.0.0: beyond loopback the server's key would cross the network "
+                                        r"in clear: pass --ssl_certfile and --ssl_keyfile"):
+        vllm_server.main(["serve", "--model", tiny_model_path, "--port", "8124", "--host", "0.0.0.0"])
+    cert, tls_key = vllm_server.self_signed_certificate(["127.0.0.1"], str(tmp_path / "tls"))
+    assert stat.S_IMODE(os.stat(tls_key).st_mode) == 0o600
+    vllm_server.main(["serve", "--model", tiny_model_path, "--port", "8124", "--host", "0.0.0.0", "--ssl_certfile",
+                      cert, "--ssl_keyfile", tls_key])
+    argv = started[-1][0]
+    assert argv[argv.index("--ssl-certfile") + 1] == cert and argv[argv.index("--ssl-keyfile") + 1] == tls_key
     assert started[-1][1]["VLLM_API_KEY"] == "the-users-own-key"
     assert not (tmp_path / "vllm-serve" / "8124.key").exists()
-    from verl_kit.errors import UserError
+    out = capsys.readouterr().out
+    assert f"--vllm_server_url https://127.0.0.1:8124\n(a self-signed certificate: add --vllm_server_ca_file {cert}" \
+        in out, out
+    for bad, why in ((["--ssl_certfile", cert], "--ssl_certfile and --ssl_keyfile go together"),
+                     (["--ssl_certfile", cert, "--ssl_keyfile", "/nonexistent.pem"], "--ssl_keyfile /nonexistent.pem: "
+                                                                                      "no such file"),
+                     (["--ssl-certfile", cert], "--ssl-certfile: pass --ssl_certfile instead")):
+        with pytest.raises(UserError, match=why):
+            vllm_server.main(["serve", "--model", tiny_model_path, "--port", "8125", "--host", "10.1.2.3", *bad])
+    vllm_server.main(["serve", "--model", tiny_model_path, "--port", "8124", "--host", "0.0.0.0",
+                      "--allow_insecure_http"])
+    assert len(started) == 3
 
     with pytest.raises(UserError, match="VLLM_API_KEY"):  # a key on the command line is readable by every user
         vllm_server.main(["serve", "--model", tiny_model_path, "--api-key", "x"])
@@ -93,7 +127,7 @@ def test_make_vllm_serve_makes_a_key_and_says_how_to_pass_it(tiny_model_path, tm
         port = taken.getsockname()[1]
         with pytest.raises(UserError, match=f"--port {port}: .* is taken"):
             vllm_server.main(["serve", "--model", tiny_model_path, "--port", str(port)])
-    assert not (tmp_path / "vllm-serve" / f"{port}.key").exists() and len(started) == 2
+    assert not (tmp_path / "vllm-serve" / f"{port}.key").exists() and len(started) == 3
 
 
 def test_require_key_guards_every_request_type(monkeypatch):

@@ -257,7 +257,8 @@ def test_grpo_runs_against_the_shared_server(vllm_server, tmp_path):
     from helpers import metrics, recipe_cmd, run
 
     out = tmp_path / "run"
-    run(recipe_cmd("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", vllm_server.url, "--output_dir",
+    run(recipe_cmd("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", vllm_server.url,
+                               "--vllm_server_ca_file", vllm_server.ca_file, "--output_dir",
                                str(out), "--max_steps", "2", "--prompts_per_step", "8", "--logging_steps", "1",
                                "--dataset_test_split", "none"]),
         timeout=300,
@@ -336,7 +337,7 @@ path = sys.argv[1]
 tok = load_tokenizer(path)
 out = {}
 with ServerProcess(path, host="0.0.0.0", dtype="float32", max_num_seqs=64, max_model_len=512,
-                   startup_timeout_s=400) as server:
+                   startup_timeout_s=400, allow_insecure_http=True) as server:
     out["rpc_without_key"] = requests.post(server.url + "/collective_rpc", json={"method": "verl_kit_commit"},
                                            timeout=30).status_code
     out["v1_without_key"] = requests.get(server.url + "/v1/models", timeout=30).status_code

@@ -178,10 +178,11 @@ def test_same_host_transport(vllm_server, tiny_model_path, tmp_path, monkeypatch
             os.path.join(folder, "..", os.path.basename(folder), f"{os.getpid()}-{'c' * 32}.safetensors"),
             "/etc/hostname")] + [transport.PULL_PREFIX + json.dumps(["file:///etc/hostname", "0" * 32])]
         for blob in bad:
-            r = requests.post(server.url + "/start_weight_update", headers=headers, timeout=60)
+            r = requests.post(server.url + "/start_weight_update", headers=headers, timeout=60,
+                              verify=server.ca_file)
             assert r.status_code == 200, r.text[:300]
             r = requests.post(server.url + "/update_weights", json={"update_info": {"buckets": [blob]}},
-                              headers=headers, timeout=60)  # the worker refuses (and ends the update)
+                              headers=headers, timeout=60, verify=server.ca_file)  # refused (the update ends)
             assert r.status_code >= 400, (blob, r.status_code, r.text[:300])
         assert outside.exists() and os.path.exists(inside) and os.path.islink(link)  # nothing read or deleted
     finally:

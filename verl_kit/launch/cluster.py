@@ -1,8 +1,8 @@
 """Multi-node runs on a Ray cluster: the recipe and accelerate config of a local run, launched once per node.
 
     python -m verl_kit.launch.cluster up                                    # local head on 127.0.0.1, dashboard :8265
-    RAY_AUTH_MODE=token python -m verl_kit.launch.cluster up --node_ip HEAD_IP    # a head other machines reach
-    RAY_AUTH_MODE=token python -m verl_kit.launch.cluster up --address HEAD_IP:6379 --node_ip MY_IP   # join it
+    python -m verl_kit.launch.cluster up --node_ip HEAD_IP                  # a head other machines reach
+    python -m verl_kit.launch.cluster up --address HEAD_IP:6379 --node_ip MY_IP   # join it (with the head's token)
     python -m verl_kit.launch.cluster run --recipe recipes/dpo.py --nodes 2 --procs_per_node 8 \\
         --accelerate_config accelerate_configs/zero3.yaml -- --output_dir /shared/runs/dpo
     python -m verl_kit.launch.cluster status | logs [--job_id ID] | stop [--job_id ID] | down
@@ -32,7 +32,8 @@ exits.
 
 Secrets stay off the dashboard: the job's runtime_env (shown in clear by Ray) carries no variable named like a
 credential (`job_env`); each node's launch reads its own from the environment its `cluster up` was started with.
-`up` beyond loopback refuses to start without Ray's token auth (`check_token_auth`).
+`up` always runs Ray with its token auth, loopback included (`ensure_token_auth`: a head generates a token on first
+use), and the clients here speak it.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class NodeAgent:
         self.lines: list[str] = []
         self.lock = threading.Lock()
         self.reader: threading.Thread | None = None
+        self.private: list[str] = []
 
     def info(self) -> dict:
         import psutil
@@ -92,6 +94,29 @@ class NodeAgent:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((ip, 0))
             return s.getsockname()[1]
+
+    def write_file(self, path: str, text: str, private: bool) -> str:
+        """Write `text` on this node: `private` (a server's TLS key) into a fresh 0700 folder, mode 600, else at
+        `path` relative to the job's working dir (the same on every node); returns the absolute path."""
+        import tempfile
+
+        if private:
+            self.private.append(tempfile.mkdtemp(prefix="verl-kit-tls-"))
+            path = os.path.join(self.private[-1], os.path.basename(path))
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return os.path.abspath(path)
+
+    def remove_private(self) -> None:
+        """Remove what write_file wrote privately (a server reads its TLS key at start)."""
+        import shutil
+
+        for folder in self.private:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.private = []
 
     def start(self, cmd: list[str], env: dict, grace_s: float) -> int:
         """Start the reaper (which starts `cmd`); returns the reaper's pid."""
@@ -128,19 +153,21 @@ class NodeAgent:
             lines, self.lines = self.lines, []
         return lines, (self.rc if done else None)
 
-    def wait_healthy(self, url: str, key: str, timeout_s: float) -> None:
-        """For a rollout server's launch: return once `url`/health answers 200 with the key; raise if the launch
-        ends first or timeout_s passes."""
+    def wait_healthy(self, url: str, key: str, ca_pem: str, timeout_s: float) -> None:
+        """For a rollout server's launch: return once `url`/health answers 200 with the key, over TLS verified with
+        `ca_pem`; raise if the launch ends first or timeout_s passes."""
+        import ssl
         import urllib.error
         import urllib.request
 
+        context = ssl.create_default_context(cadata=ca_pem)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.reader is not None and not self.reader.is_alive():
                 raise RuntimeError(f"the server exited with {self.rc} while starting")
             try:
                 req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {key}"})
-                with urllib.request.urlopen(req, timeout=5) as r:
+                with urllib.request.urlopen(req, timeout=5, context=context) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, OSError):
@@ -273,39 +300,65 @@ def recipe_value(args, name: str) -> str | None:
     return None if value is None else str(value)
 
 
-def server_command(args, ip: str, port: int) -> list[str]:
+SERVERS_CA = ".verl_kit/servers-ca.pem"  # on each trainer node, in the job's working dir: the servers' certificate
+
+
+def server_command(args, ip: str, port: int, tls: tuple[str, str]) -> list[str]:
     """The command of one rollout server: the kit's vLLM server (what `make vllm-serve` runs) serving the run's
-    initial policy on the node's address; its key comes in VLLM_API_KEY."""
+    initial policy on the node's address over TLS (`tls`: its certificate and key files on that node); its key
+    comes in VLLM_API_KEY."""
     return [sys.executable, "-m", "verl_kit.rollout.vllm_server", "serve", "--model",
-            recipe_value(args, "model_name_or_path"), "--host", ip, "--port", str(port),
-            *shlex.split(args.server_args or "")]
+            recipe_value(args, "model_name_or_path"), "--host", ip, "--port", str(port), "--ssl_certfile", tls[0],
+            "--ssl_keyfile", tls[1], *shlex.split(args.server_args or "")]
 
 
-def _start_servers(args, agents: list, key: str) -> list[dict]:
-    """Start the rollout servers, one on each of their bundles' nodes, all with the job's key; wait until each
-    answers /health. Hands their URLs to the trainer (the recipe's --rollout vllm-server --vllm_server_url).
-    Returns each server node's info()."""
+def job_certificate(ips: list[str]) -> tuple[str, str]:
+    """A self-signed certificate for the job's server addresses and its key, as PEM text (made in a private temporary
+    folder, removed at once): the servers speak TLS with it and the trainer trusts it alone."""
+    import shutil
+    import tempfile
+
+    from verl_kit.rollout.vllm_server import self_signed_certificate
+
+    folder = tempfile.mkdtemp(prefix="verl-kit-tls-")
+    try:
+        paths = self_signed_certificate(ips, folder)
+        return tuple(open(p).read() for p in paths)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _start_servers(args, agents: list, key: str) -> tuple[list[dict], str]:
+    """Start the rollout servers, one on each of their bundles' nodes, all with the job's key and one certificate
+    made for the job (TLS: the key never crosses the network in clear); wait until each answers /health. Hands
+    their URLs to the trainer (the recipe's --rollout vllm-server --vllm_server_url, --vllm_server_ca_file).
+    Returns each server node's info() and the certificate (PEM) the trainer nodes write to SERVERS_CA."""
     import ray
 
     infos = ray.get([a.info.remote() for a in agents], timeout=args.placement_timeout_s)
+    cert, tls_key = job_certificate(sorted({info["ip"] for info in infos}))
     urls = []
     for j, (agent, info) in enumerate(zip(agents, infos)):
         port = ray.get(agent.free_port.remote(info["ip"]), timeout=60)
-        cmd = server_command(args, info["ip"], port)
-        urls.append(f"http://{info['ip']}:{port}")
+        files = ray.get([agent.write_file.remote("cert.pem", cert, True),
+                         agent.write_file.remote("key.pem", tls_key, True)], timeout=60)
+        cmd = server_command(args, info["ip"], port, tuple(files))
+        urls.append(f"https://{info['ip']}:{port}")
         _say(f"rollout server {j}: {info['host']} {info['ip']}: {shlex.join(cmd[1:])}")
         ray.get(agent.start.remote(cmd, {"PYTHONUNBUFFERED": "1", "VLLM_API_KEY": key}, args.stop_grace_s),
                 timeout=60)
-    ray.get([a.wait_healthy.remote(url, key, args.server_timeout_s) for a, url in zip(agents, urls)],
+    ray.get([a.wait_healthy.remote(url, key, cert, args.server_timeout_s) for a, url in zip(agents, urls)],
             timeout=args.server_timeout_s + 60)
+    ray.get([a.remove_private.remote() for a in agents], timeout=60)
     _say(f"rollout servers ready: {', '.join(urls)}")
-    args.recipe_args += ["--rollout", "vllm-server", "--vllm_server_url", ",".join(urls)]
-    return infos
+    args.recipe_args += ["--rollout", "vllm-server", "--vllm_server_url", ",".join(urls),
+                         "--vllm_server_ca_file", SERVERS_CA]
+    return infos, cert
 
 
-def _start_nodes(args, agents: list, key: str | None) -> list[dict]:
+def _start_nodes(args, agents: list, key: str | None, cert: str | None) -> list[dict]:
     """Start `accelerate launch` on every trainer node, rendezvousing on node 0 (with the rollout servers' key in
-    VLLM_API_KEY when the job placed servers); returns each node's info()."""
+    VLLM_API_KEY and their certificate in SERVERS_CA when the job placed servers); returns each node's info()."""
     import ray
 
     infos = ray.get([a.info.remote() for a in agents], timeout=args.placement_timeout_s)
@@ -316,6 +369,8 @@ def _start_nodes(args, agents: list, key: str | None) -> list[dict]:
         env, chosen = _node_env(args, info)
         if key:
             env["VLLM_API_KEY"] = key
+        if cert:
+            ray.get(agent.write_file.remote(SERVERS_CA, cert, False), timeout=60)
         cmd = launch_command(args, i, main_ip, port, ds_standard)
         _say(f"node {i}: {info['host']} {info['ip']} (GLOO/NCCL_SOCKET_IFNAME={'/'.join(chosen)}): "
              f"{shlex.join(cmd[1:])}")
@@ -434,8 +489,8 @@ def drive(args) -> int:
         if not _placed(args, pg, bundles):
             return 1
         _add_agents(args, pg, bundles, gpus, agents)
-        server_infos = _start_servers(args, agents[args.nodes:], key) if args.rollout_servers else []
-        infos = _start_nodes(args, agents[:args.nodes], key) + server_infos
+        server_infos, cert = _start_servers(args, agents[args.nodes:], key) if args.rollout_servers else ([], None)
+        infos = _start_nodes(args, agents[:args.nodes], key, cert) + server_infos
         failed, tails, all_ended = _supervise(args, agents, infos, lost)
         return _report(args.nodes, failed, tails, all_ended)
     finally:
@@ -457,42 +512,52 @@ def job_env(environ) -> tuple[dict, list[str]]:
     return {k: v for k, v in passed.items() if k not in withheld}, withheld
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def token_path(environ) -> str:
+    """Where Ray reads its auth token when RAY_AUTH_TOKEN is not set: RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token."""
+    return environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
 
 
-def check_token_auth(args, environ) -> None:
-    """`up` beyond loopback (a node, dashboard or head address another machine can reach) needs Ray's token auth on:
-    RAY_AUTH_MODE=token and a token (RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, which
-    other users must not read). Otherwise anyone who reaches the head runs code as this user. Exits with one line."""
-    hosts = [args.node_ip] + ([args.address.rsplit(":", 1)[0]] if args.address else [args.dashboard_host or ""])
-    public = [h for h in hosts if h and not _is_loopback(h)]
-    if not public:
-        return
-    hint = ("`ray get-auth-token --generate` (writes ~/.ray/auth_token; chmod 600 it and copy it to every node and "
-            "every machine that submits), then export RAY_AUTH_MODE=token there too")
-    if environ.get("RAY_AUTH_MODE", "").lower() != "token":
-        raise SystemExit(f"error: cluster up on {public[0]} (beyond loopback) needs Ray's token auth: {hint}")
+def ensure_token_auth(args, environ) -> None:
+    """Every `up` runs Ray with its token auth, on loopback too (without it any local user, or any machine that
+    reaches a routable head, submits jobs that run as this user): RAY_AUTH_MODE=token (set in `environ` when unset;
+    `disabled` is refused) and a token, from RAY_AUTH_TOKEN or the token file, which other users must not read. A
+    head with no token generates one into the token file (mode 600; copy it to every node and every machine that
+    submits); a joining node must already have the head's. Exits with one line."""
+    where = args.node_ip
+    mode = environ.get("RAY_AUTH_MODE", "").lower()
+    if mode not in ("", "token"):
+        raise SystemExit(f"error: cluster up on {where}: RAY_AUTH_MODE={environ['RAY_AUTH_MODE']} is refused: the "
+                         "kit's Ray cluster always runs with token auth (anyone who reaches it runs code as you "
+                         "otherwise); unset RAY_AUTH_MODE")
+    environ["RAY_AUTH_MODE"] = "token"
     if environ.get("RAY_AUTH_TOKEN"):
         return
-    path = environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise SystemExit(f"error: cluster up on {public[0]}: RAY_AUTH_MODE=token but no token in RAY_AUTH_TOKEN or "
-                         f"{path}: {hint}") from None
-    if mode & 0o077:
-        raise SystemExit(f"error: cluster up on {public[0]}: the Ray token {path} is readable by other users "
-                         f"(mode {oct(mode & 0o777)}): chmod 600 {shlex.quote(path)}")
+    path = token_path(environ)
+    if not os.path.exists(path):
+        if args.address:
+            raise SystemExit(f"error: cluster up on {where}: joining {args.address} needs the head's Ray token, "
+                             f"and there is none in RAY_AUTH_TOKEN or {path}: copy the head's token file there (mode "
+                             "600), or export RAY_AUTH_TOKEN")
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        print(f"[cluster] generated Ray's auth token in {path} (mode 600): every node that joins and every machine "
+              "that submits needs it (copy the file, or export RAY_AUTH_TOKEN)", flush=True)
+        return
+    mode_bits = os.stat(path).st_mode
+    if mode_bits & 0o077:
+        raise SystemExit(f"error: cluster up on {where}: the Ray token {path} is readable by other users "
+                         f"(mode {oct(mode_bits & 0o777)}): chmod 600 {shlex.quote(path)}")
+
+
+def use_token_auth(environ) -> None:
+    """A client of the kit's cluster (run, status, logs, stop) speaks token auth: RAY_AUTH_MODE=token unless set."""
+    environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def up(args) -> int:
-    check_token_auth(args, os.environ)
+    ensure_token_auth(args, os.environ)
     cmd = [_ray_bin(), "start", "--node-ip-address", args.node_ip, "--disable-usage-stats"]
     if args.address:
         cmd += ["--address", args.address]
@@ -728,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.command == "_driver":
         return drive(args)
+    if args.command in ("run", "status", "logs", "stop"):
+        use_token_auth(os.environ)
     return {"up": up, "run": run, "status": status, "logs": logs, "stop": stop, "down": down}[args.command](args)
 
 

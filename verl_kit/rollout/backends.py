@@ -91,7 +91,8 @@ def make_backend(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, actor, m
                              enable_sleep_mode=vllm_cfg.vllm_enable_sleep_mode, kv_cache_gib=vllm_cfg.vllm_kv_cache_gib,
                              world_size=accelerator.num_processes, lora_rank=lora_rank, **common)
     if cfg.rollout == "vllm-server":
-        clients = [VLLMServer(url, tokenizer, pushes=rank == 0, dtype=vllm_dtype, **common) for url in server_urls]
+        clients = [VLLMServer(url, tokenizer, pushes=rank == 0, dtype=vllm_dtype, ca_file=vllm_cfg.vllm_server_ca_file,
+                              **common) for url in server_urls]
         return clients[0] if len(clients) == 1 else VLLMServers(clients)
     raise ValueError(f"--rollout {cfg.rollout!r}")  # config.parse_args refuses it first
 

@@ -16,13 +16,21 @@ from verl_kit.rollout.probe import Probe, default_probe_threshold
 from verl_kit.rollout.synced import SyncedBackend, to_rollout
 from verl_kit.rollout.transport import local_address_towards
 from verl_kit.rollout.types import Prompts, Rollout, SamplingParams
-from verl_kit.rollout.vllm_server import auth_headers, is_loopback_url, key_for
+from verl_kit.rollout.vllm_server import auth_headers, is_loopback_url, key_for, verify_for
 
 logger = logging.getLogger(__name__)
 
 
 class _Transient(Exception):
     pass
+
+
+def _ssl_reason(e: Exception) -> str:
+    """The reason OpenSSL gave, from requests' nested SSLError."""
+    import re
+
+    m = re.search(r"certificate verify failed: ([^(')\]]+)", str(e))
+    return m.group(1).strip() if m else str(e).splitlines()[0][:200]
 
 
 class VLLMServer(SyncedBackend):
@@ -38,8 +46,9 @@ class VLLMServer(SyncedBackend):
                  request_timeout_s: float = 600, max_retries: int = 4, backoff_s: float = 0.5,
                  bucket_mb: float = 64, sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
                  probe_threshold: float | None = None, dtype: str = "auto", pushes: bool = True,
-                 transport: str = "auto", api_key: str | None = None, sharding=None):
+                 transport: str = "auto", api_key: str | None = None, ca_file: str | None = None, sharding=None):
         self.url = base_url.rstrip("/")
+        self._verify = verify_for(self.url, ca_file)
         self.sharding = sharding  # the run's train.Sharding: gathers the actor's full tensors (None: they are whole)
         self._headers = auth_headers(api_key or key_for(self.url))
         self.tokenizer = tokenizer
@@ -71,7 +80,7 @@ class VLLMServer(SyncedBackend):
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 r = requests.request(method, self.url + path, json=payload, headers=self._headers,
-                                     timeout=(min(self.connect_timeout_s, timeout), timeout))
+                                     timeout=(min(self.connect_timeout_s, timeout), timeout), verify=self._verify)
                 if r.status_code in (429, 500, 502, 503, 504):
                     raise _Transient(f"HTTP {r.status_code}: {r.text[:300]}")
                 if r.status_code in (401, 403):
@@ -81,6 +90,10 @@ class VLLMServer(SyncedBackend):
                 if r.status_code >= 400:
                     raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
                 return r.json() if r.content else None
+            except requests.exceptions.SSLError as e:  # not transient: the certificate does not verify
+                raise UserError(f"--vllm_server_url {self.url}: its TLS certificate does not verify "
+                                f"({_ssl_reason(e)}): pass the CA file that signed it (a self-signed certificate: the "
+                                "certificate itself) as --vllm_server_ca_file") from None
             except (requests.ConnectionError, requests.Timeout, _Transient) as e:
                 last = e
                 logger.warning("vLLM server %s%s: %s (attempt %d/%d)", self.url, path, type(e).__name__,

@@ -82,6 +82,93 @@ def auth_headers(key: str | None) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+# ---- TLS ------------------------------------------------------------------------------------------------------------
+
+# Server URL -> the CA file its clients verify it with: a server this process started with a certificate of its own.
+_CAS: dict[str, str] = {}
+
+
+def use_ca(url: str, ca_file: str) -> None:
+    """Hand this process's clients of the server at `url` the CA file (or self-signed certificate) that verifies it."""
+    _CAS[url.rstrip("/")] = ca_file
+
+
+def verify_for(url: str, ca_file: str | None = None) -> str | bool:
+    """What a client checks the server at `url` against (requests' `verify`): `ca_file` (--vllm_server_ca_file), else
+    the one this process was handed for it, else the system's CAs."""
+    return ca_file or _CAS.get(url.rstrip("/")) or True
+
+
+def server_url(host: str, port: int, tls: bool) -> str:
+    """The URL clients on this host use for a server bound to `host` (a wildcard bind: loopback)."""
+    return f"{'https' if tls else 'http'}://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+
+def is_loopback_host(host: str) -> bool:
+    return is_loopback_url(f"http://{host}:1") if ":" not in host else host == "::1"
+
+
+def self_signed_certificate(hosts: list[str], folder: str, days: int = 30) -> tuple[str, str]:
+    """A fresh P-256 key and a certificate for `hosts` (IP addresses or names) signed by it, written into `folder` as
+    cert.pem and key.pem (mode 600): a server's --ssl_certfile/--ssl_keyfile, and the certificate is the CA file its
+    clients verify it with (--vllm_server_ca_file). What a cluster job gives the servers it places."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    def name(h):
+        try:
+            return x509.IPAddress(ipaddress.ip_address(h))
+        except ValueError:
+            return x509.DNSName(h)
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"verl-kit vLLM server {hosts[0]}")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName([name(h) for h in hosts]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(key, hashes.SHA256()))
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    cert_path, key_path = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+    with _private_file(key_path) as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()).decode())
+    with _private_file(cert_path) as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM).decode())
+    return cert_path, key_path
+
+
+def check_exposure(host: str, ssl_certfile: str | None, ssl_keyfile: str | None, allow_insecure_http: bool,
+                   extra: list[str] = ()) -> None:
+    """A server beyond loopback speaks TLS (its key and the weights would cross the network in clear otherwise), or
+    is told `--allow_insecure_http` (one warning line). One-line errors. (`extra`: flags for vLLM itself, where its
+    own spelling of the TLS flags is refused: the kit must know the server speaks https.)"""
+    for a in extra:
+        if (flag := a.split("=")[0]) in ("--ssl-certfile", "--ssl-keyfile"):
+            raise UserError(f"{flag}: pass --{flag[2:].replace('-', '_')} instead (the kit checks it and gives the "
+                            "URL https)")
+    if bool(ssl_certfile) != bool(ssl_keyfile):
+        raise UserError("--ssl_certfile and --ssl_keyfile go together")
+    for flag, path in (("--ssl_certfile", ssl_certfile), ("--ssl_keyfile", ssl_keyfile)):
+        if path and not os.path.isfile(path):
+            raise UserError(f"{flag} {path}: no such file")
+    if ssl_certfile or is_loopback_host(host):
+        return
+    if not allow_insecure_http:
+        raise UserError(f"--host {host}: beyond loopback the server's key would cross the network in clear: pass "
+                        "--ssl_certfile and --ssl_keyfile (TLS; clients verify it with --vllm_server_ca_file), or "
+                        "--allow_insecure_http on a network you trust")
+    logger.warning("--allow_insecure_http: the server on %s takes its key and serves its API in clear", host)
+
+
 MIDDLEWARE = "verl_kit.rollout.vllm_server.RequireKey"  # its import path: under `python -m` __name__ is __main__
 
 
@@ -113,7 +200,8 @@ class RequireKey:
 
 
 def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype: str = "auto",
-                  max_num_seqs: int = 256, max_model_len: int | None = None, extra: list[str] = ()) -> list[str]:
+                  max_num_seqs: int = 256, max_model_len: int | None = None, ssl_certfile: str | None = None,
+                  ssl_keyfile: str | None = None, extra: list[str] = ()) -> list[str]:
     """The vLLM OpenAI server command for weight-synced rollouts; its key comes from serve_env."""
     if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
         raise UserError("--api-key: pass the server's key as VLLM_API_KEY instead (a command line is readable by "
@@ -121,6 +209,7 @@ def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", host,
             "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
             *(["--max-model-len", str(max_model_len)] if max_model_len else []),
+            *(["--ssl-certfile", ssl_certfile, "--ssl-keyfile", ssl_keyfile] if ssl_certfile else []),
             "--worker-extension-cls", WORKER_EXTENSION, "--weight-transfer-config", json.dumps(WEIGHT_TRANSFER_CONFIG),
             "--middleware", MIDDLEWARE,
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
@@ -150,12 +239,17 @@ class ServerProcess:
 
     def __init__(self, model_path: str, *, host: str = "127.0.0.1", port: int | None = None,
                  startup_timeout_s: float = 600, log_path: str | None = None, kv_cache_gib: int = 1,
-                 wait: bool = True, api_key: str | None = None, **serve_kwargs):
+                 wait: bool = True, api_key: str | None = None, allow_insecure_http: bool = False,
+                 **serve_kwargs):
         """Start the server; with `wait` (default) return once it is healthy, else call wait_ready() (several servers
         start together: spawn each here, from the thread that keeps running, then wait for each; the kernel's
         parent-death signal follows the thread that spawned a process, so a worker thread that ends would stop it)."""
+        check_exposure(host, serve_kwargs.get("ssl_certfile"), serve_kwargs.get("ssl_keyfile"), allow_insecure_http)
         self.port = port or free_port()
-        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
+        self.ca_file = serve_kwargs.get("ssl_certfile")  # a certificate of its own: its clients verify it with it
+        self.url = server_url(host, self.port, bool(self.ca_file))
+        if self.ca_file:
+            use_ca(self.url, self.ca_file)
         # its own fresh key unless given one (several servers behind one VLLM_API_KEY); never VLLM_API_KEY itself,
         # which may be another server's
         self.api_key = api_key or new_key()
@@ -180,8 +274,8 @@ class ServerProcess:
                 self.stop()
                 raise RuntimeError(f"vLLM server exited with {self.proc.returncode} while starting:\n{tail}")
             try:
-                if requests.get(self.url + "/health", timeout=2,
-                                headers=auth_headers(self.api_key)).status_code == 200:
+                if requests.get(self.url + "/health", timeout=2, headers=auth_headers(self.api_key),
+                                verify=verify_for(self.url)).status_code == 200:
                     break
             except requests.RequestException:
                 pass
@@ -241,11 +335,17 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--max_num_seqs", type=int, default=256)
     ap.add_argument("--max_model_len", type=int, default=None, help="default: the model's maximum")
     ap.add_argument("--kv_cache_gib", type=int, default=1, help="KV cache on CPU (VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument("--ssl_certfile", default=None, help="TLS certificate (PEM): the server speaks https")
+    ap.add_argument("--ssl_keyfile", default=None, help="its private key (PEM)")
+    ap.add_argument("--allow_insecure_http", action="store_true",
+                    help="beyond loopback without TLS: the key crosses the network in clear (refused otherwise)")
     args, extra = ap.parse_known_args(argv)
+    check_exposure(args.host, args.ssl_certfile, args.ssl_keyfile, args.allow_insecure_http, extra)
     path = resolve_model_path(args.model)
     cmd = serve_command(path, args.port, host=args.host, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                        max_model_len=args.max_model_len, extra=extra)
-    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+                        max_model_len=args.max_model_len, ssl_certfile=args.ssl_certfile,
+                        ssl_keyfile=args.ssl_keyfile, extra=extra)
+    url = server_url(args.host, args.port, bool(args.ssl_certfile))
     with socket.socket() as s:  # before a fresh key replaces the key file of a server already on this port
         try:
             s.bind((args.host, args.port))
@@ -263,8 +363,10 @@ def main(argv: list[str]) -> None:
         how = f"its key (in {where}, readable by you only)"
         run = f"VLLM_API_KEY=$(cat {shlex.quote(where)}) "
     print(" ".join(cmd), flush=True)
+    ca = (f"\n(a self-signed certificate: add --vllm_server_ca_file {shlex.quote(os.path.abspath(args.ssl_certfile))}"
+          ")") if args.ssl_certfile else ""
     print(f"\nThis server requires its key on every request. A run reaches it with {how}:\n"
-          f"    {run}python recipes/ppo.py --rollout vllm-server --vllm_server_url {url}\n"
+          f"    {run}python recipes/ppo.py --rollout vllm-server --vllm_server_url {url}{ca}\n"
           "(from another host: the same key in VLLM_API_KEY and this host's address in the URL)\n", flush=True)
     os.execve(cmd[0], cmd, serve_env(key, args.kv_cache_gib))
 
