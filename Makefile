@@ -48,6 +48,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PY) -m pip install -q --no-deps openai-agents==0.24.0 griffelib==2.4.1
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -c "import torch, vllm, deepspeed, ray, trl, verl_kit; print('verl-kit', verl_kit.__version__, 'installed')"
 	touch $@

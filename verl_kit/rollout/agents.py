@@ -22,7 +22,10 @@ arrived for a moment (`GATHER_S`); so concurrent agents share one `generate` cal
 Bounds: `--max_completion_length` is each training sequence's budget (sampled plus inserted tokens, as an episode's),
 `--max_tool_calling_iterations` the calls after the first; a request beyond either is answered with an empty
 completion, finish_reason "length", and the episode is marked truncated. Sampling is the run's (temperature, top-p,
-top-k): the request's are ignored, its max_tokens only lowers the budget; `n` > 1 and streaming are refused.
+top-k): the request's are ignored, its max_tokens only lowers the budget; `n` > 1 is refused (rollout.endpoint: what
+it serves and refuses, streaming and the Responses API included). tool_choice "required" or a named function writes
+the start of a call into the prompt (inserted tokens, not trained on) for the policy to continue; "none" parses no
+call; parallel_tool_calls false keeps the first.
 """
 
 from __future__ import annotations
@@ -248,11 +251,22 @@ class AgentEpisodes:
                 job.reply(EndpointError(500, "the rollout engine failed; the run stops"))
             raise
         self._seed += len(todo)
-        for (job, prompt, sample, _, messages), (ids, logprobs, ended) in zip(todo, turns):
-            job.reply(self._record(job.episode, job.body, prompt, sample, ids, logprobs, ended, messages))
+        for (job, prompt, sample, _, messages, forced), (ids, logprobs, ended) in zip(todo, turns):
+            job.reply(self._record(job.episode, job.body, prompt, sample, ids, logprobs, ended, messages, forced))
+
+    def _forced(self, body: dict) -> str:
+        """The start of a tool call a request's tool_choice asks for ("required": a call; a named function: a call of
+        it), written into the prompt for the policy to continue (inserted tokens: not trained on); "" otherwise."""
+        choice = body.get("tool_choice")
+        if choice == "required":
+            return "<tool_call>"
+        if isinstance(choice, dict):
+            return '<tool_call>{"name": ' + json.dumps(choice["function"]["name"]) + ', "arguments": '
+        return ""
 
     def _prepare(self, ep: _Episode, body: dict):
-        """(prompt ids, the sample it extends or None for a new one, its token budget, the messages) of a request."""
+        """(prompt ids, the sample it extends or None for a new one, its token budget, the messages, the forced start
+        of a tool call) of a request."""
         messages, tools = body["messages"], json.dumps(body.get("tools") or [], sort_keys=True)
         normal = [_normal(m) for m in messages]
         prompt = None
@@ -272,6 +286,9 @@ class AgentEpisodes:
             except Exception as e:  # noqa: BLE001 - the agent's messages: a 400, never the run
                 raise EndpointError(400, f"the chat template cannot render these messages: {type(e).__name__}: "
                                          f"{e}") from None
+        forced = self._forced(body)
+        if forced:
+            prompt = prompt + self.tokenizer.encode(forced, add_special_tokens=False)
         last = ep.samples[-1] if ep.samples else None
         extends = (last is not None and not last.truncated and len(prompt) > len(last.prompt) + len(last.ids)
                    and prompt[:len(last.prompt) + len(last.ids)] == last.prompt + last.ids)
@@ -288,9 +305,9 @@ class AgentEpisodes:
             budget = min(budget, asked)
         if self.max_calls is not None and ep.calls >= self.max_calls:
             budget = 0
-        return prompt, last if extends else None, budget, messages
+        return prompt, last if extends else None, budget, messages, forced
 
-    def _reply_if_spent(self, job: Request, prompt, sample, budget: int, messages) -> bool:
+    def _reply_if_spent(self, job: Request, prompt, sample, budget: int, messages, forced: str) -> bool:
         """A request with no token left answers an empty completion ("length") and truncates its episode; True
         when the request is to be generated."""
         if budget > 0:
@@ -326,8 +343,9 @@ class AgentEpisodes:
         return out
 
     def _record(self, ep: _Episode, body: dict, prompt: list[int], sample: Sample | None, ids: list[int],
-                logprobs: list[float], ended: bool, messages: list[dict]) -> dict:
-        """Keep a served call as training data and return its chat.completion."""
+                logprobs: list[float], ended: bool, messages: list[dict], forced: str = "") -> dict:
+        """Keep a served call as training data and return its chat.completion (tool calls parsed unless tool_choice
+        is "none"; the first alone with parallel_tool_calls false)."""
         if sample is None:
             sample = Sample(list(prompt))
             ep.samples.append(sample)
@@ -337,9 +355,11 @@ class AgentEpisodes:
         sample.truncated = not ended
         ep.truncated |= not ended
         ep.calls += 1
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        calls = [c for c in (parse_tool_calls(text, self.tokenizer) if body.get("tools") else [])
-                 if isinstance(c, dict)]
+        text = forced + self.tokenizer.decode(ids, skip_special_tokens=True)
+        parse = body.get("tools") and body.get("tool_choice") != "none"
+        calls = [c for c in (parse_tool_calls(text, self.tokenizer) if parse else []) if isinstance(c, dict)]
+        if body.get("parallel_tool_calls") is False:
+            calls = calls[:1]
         ep.tool_calls += len(calls)
         reply = self._completion(body, text, calls, "length" if not ended else "tool_calls" if calls else "stop",
                                  prompt, ids, logprobs)
