@@ -18,7 +18,17 @@ import time
 
 import pytest
 import torch
-from helpers import REPO, assert_resume_bit_identical, env, launch_cmd, metrics, recipe_cmd, run, run_until
+from helpers import (
+    REPO,
+    assert_resume_bit_identical,
+    env,
+    launch_cmd,
+    launch_script,
+    metrics,
+    recipe_cmd,
+    run,
+    run_until,
+)
 
 from verl_kit.config import TrainConfig
 from verl_kit.errors import UserError
@@ -344,27 +354,90 @@ def _can_mount() -> bool:
                           capture_output=True).returncode == 0
 
 
+# a checkpoint of the SFT recipe's tiny model is ~8 MiB in one process and across two ranks alike (the model once,
+# AdamW's moments split in partitions or shards): checkpoint-2 and -4 fit in 20 MiB, checkpoint-6 does not
 @pytest.mark.slow
 @pytest.mark.skipif(not _can_mount(), reason="needs root to mount a small tmpfs in a private mount namespace")
-def test_full_disk_in_a_real_run(tmp_path):
-    """SFT writes into a 20 MiB tmpfs (a checkpoint is 8 MiB): checkpoint-2 and -4 fit, checkpoint-6 does not (torch
-    reports it as a RuntimeError without errno). The run stops with exit 2 and one line; checkpoint-2 and -4 are
-    complete, no temporary is left. On the committed code the run died with a traceback and left
-    .tmp-checkpoint-6."""
+@pytest.mark.parametrize("launch", [None, "zero3.yaml", "fsdp2.yaml"])
+def test_full_disk_in_a_real_run(tmp_path, launch):
+    """SFT writes into a 20 MiB tmpfs: checkpoint-2 and -4 fit, checkpoint-6 does not (torch reports it as a
+    RuntimeError without errno). In one process, and on two ranks with ZeRO-3 and FSDP2, whose ranks write their own
+    partitions (the disk fills under one of them): the run stops with exit 2 and one line on every rank, checkpoint-2
+    and -4 are complete and -4 stays the latest, no temporary is left. On the committed code the one-process run died
+    with a traceback and left .tmp-checkpoint-6."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    argv = " ".join(recipe_cmd("sft.py", ["--output_dir", str(mnt / "run"), "--max_steps", "8", "--save_steps", "2",
-                                          "--dataset_test_split", "none"]))
+    args = ["--output_dir", str(mnt / "run"), "--max_steps", "8", "--save_steps", "2", "--dataset_test_split", "none"]
+    argv = " ".join(launch_cmd(launch, 2, "sft.py", args, isolate=False) if launch else recipe_cmd("sft.py", args))
     script = (f"mount -t tmpfs -o size=20m tmpfs {mnt} && {{ {argv}; echo \"rc=$?\"; "
               f"ls -a {mnt}/run; ls {mnt}/run/checkpoint-2 {mnt}/run/checkpoint-4; }}")
-    p = subprocess.run(["unshare", "-m", "bash", "-c", script], cwd=REPO, env=env(OMP_NUM_THREADS=1),
-                       capture_output=True, text=True, timeout=300)
-    last = p.stderr.strip().splitlines()[-1]
-    assert "rc=2" in p.stdout and re.fullmatch(
+    p = subprocess.run(["unshare", "-m", "-n", "bash", "-c", "ip link set lo up && " + script], cwd=REPO,
+                       env=env(OMP_NUM_THREADS=1), capture_output=True, text=True, timeout=300)
+    lines = [x for x in p.stderr.splitlines() if x.startswith(f"error: --output_dir {mnt}/run: ")]
+    assert ("rc=2" in p.stdout if not launch else re.search(r"rc=[1-9]", p.stdout)), (p.stdout, p.stderr[-3000:])
+    assert lines and all(re.fullmatch(
         rf"error: --output_dir {mnt}/run: writing checkpoint-6 failed \(.*\); the run stops and the checkpoints on "
         r"disk are intact \(checkpoint-2, checkpoint-4\): free space, then continue with --resume_from_checkpoint "
-        r"auto", last), (p.stdout, p.stderr[-3000:])
+        r"auto", x) for x in lines), (p.stdout, p.stderr[-3000:])
+    assert len(lines) == (2 if launch else 1) and "Traceback" not in p.stderr, p.stderr[-3000:]  # each rank: a line
     assert ".tmp-checkpoint-6" not in p.stdout and p.stdout.count("trainer_state.json") == 2, p.stdout
+
+
+SAVE_FAILS_ON_ONE_RANK = r"""
+import sys, torch
+from verl_kit.config import TrainConfig
+from verl_kit.errors import UserError
+from verl_kit.train import Accelerator, Checkpoints, list_checkpoints, model_flags, run_fingerprint, save_checkpoint
+
+
+class RankState:  # what a rank saves of its own (an async run's batches generated ahead)
+    def __init__(self, broken):
+        self.broken = broken
+
+    def state_dict(self):
+        if self.broken:
+            raise ValueError("this rank's state cannot be saved")
+        return {"ok": 1}
+
+    def load_state_dict(self, state):
+        pass
+
+
+accelerator = Accelerator(cpu=True)
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 64)
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+model, optimizer = accelerator.sharding.prepare(model, optimizer)
+cfg = TrainConfig(output_dir=sys.argv[1])
+ckpt = Checkpoints(accelerator, cfg, {})
+ckpt.resume()
+rank = accelerator.process_index
+for step in (1, 2):
+    try:
+        save_checkpoint(accelerator, cfg.output_dir, step, 0, model_flags(cfg), ckpt.run_id,
+                        RankState(step == 2 and rank == 1), run_fingerprint(cfg, {}))
+    except UserError as e:
+        print(f"rank {rank}: {e}; latest: {list_checkpoints(cfg.output_dir)[-1][0]}", flush=True)
+        sys.exit(2)
+"""
+
+
+@pytest.mark.slow
+def test_a_save_that_fails_on_one_rank_stops_every_rank(tmp_path):
+    """FSDP2 x2: checkpoint-2's save raises inside one rank only (a bug: its own state cannot be saved). No rank is
+    left waiting in a collective: the failing rank raises its error (its traceback), the other stops in one line
+    ("on another process"); the staging directory is removed and checkpoint-1 stays the latest, complete. On the
+    committed code the failing rank raised and the other waited in the next collective until its timeout."""
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_FAILS_ON_ONE_RANK)
+    out = tmp_path / "out"
+    p = subprocess.run(launch_script("fsdp2.yaml", 2, str(script), [str(out)]), cwd=REPO, env=env(OMP_NUM_THREADS=1),
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode != 0 and "ValueError: this rank's state cannot be saved" in p.stderr, p.stderr[-3000:]
+    assert re.search(rf"rank 0: --output_dir {out}: writing checkpoint-2 failed \(on another process\); the run "
+                     r"stops and the checkpoints on disk are intact \(checkpoint-1\).*; latest: 1$", p.stdout, re.M), \
+        (p.stdout, p.stderr[-3000:])
+    assert sorted(os.listdir(out)) == ["checkpoint-1"] and (out / "checkpoint-1" / "trainer_state.json").is_file()
 
 
 def test_auto_falls_back_past_a_checkpoint_that_does_not_load(tmp_path, caplog):

