@@ -101,3 +101,27 @@ def test_hostile_programs_cost_a_zero_reward_and_nothing_else(tmp_path, monkeypa
         time.sleep(0.1)
     assert not _sandbox_processes(), [(p.pid, p.name()) for p in _sandbox_processes()]
     print({k: v.reason for k, v in outcomes.items()}, isolation())
+
+
+@pytest.mark.slow
+def test_grpo_runs_with_the_code_reward(tmp_path):
+    """`--reward_fn verl_kit.rewards:code_tests` in recipes/grpo.py: the dataset's `test` and `entry_point` columns
+    reach it, every sample of both steps is scored (the random tiny model's programs fail: 0.0) with no reward
+    error, and the run says what sandbox it has."""
+    from helpers import metrics, recipe_cmd, run, write_jsonl
+
+    rows = [{"prompt": f"def {name}(a, b):\n", "test": f"def check(f):\n    assert f(6, 3) == {value}\n",
+             "entry_point": name} for name, value in (("add", 9), ("sub", 3), ("mul", 18), ("div", 2))]
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "train.jsonl", rows)
+    out = tmp_path / "run"
+    p = run(recipe_cmd("grpo.py", ["--config", "recipes/configs/grpo_tiny.yaml", "--dataset_name", str(data),
+                                   "--dataset_test_split", "none", "--reward_fn", "verl_kit.rewards:code_tests",
+                                   "--max_steps", "2", "--prompts_per_step", "4", "--num_generations", "2",
+                                   "--max_completion_length", "16", "--output_dir", str(out), "--logging_steps", "1"]),
+            timeout=300)
+    steps = [r for r in metrics(out) if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["reward/errors"] == 0 for r in steps), steps
+    assert all(r["rewards/code_tests/mean"] == 0.0 for r in steps), steps
+    assert f"code_tests sandbox: {isolation()}" in p.stderr, p.stderr[-2000:]
