@@ -90,6 +90,8 @@ def write_failure(e: BaseException, directory: str) -> str | None:
     while seen is not None and len(chain) < 10:  # the error, its cause, the cause's cause...
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
+    for err in list(chain):  # torch.distributed.checkpoint's CheckpointException: each rank's (error, traceback)
+        chain += [f[0] if isinstance(f, tuple) else f for f in (getattr(err, "failures", None) or {}).values()]
     for err in chain:
         if isinstance(err, OSError) and err.errno in WRITE_ERRNOS:
             return os.strerror(err.errno)

@@ -163,8 +163,10 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: d
         accelerator.sharding.save(tmp, lora=bool(model.get("use_peft")))
         if per_rank is not None:
             torch.save(per_rank.state_dict(), os.path.join(tmp, f"rank-{accelerator.process_index}.pt"))
-    except Exception as e:  # a full disk, a permission, a bug in a save: every rank learns it in _agree
-        failure.note(e, output_dir)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # a full disk, a permission, a bug in a save (DCP's CheckpointException is a
+        failure.note(e, output_dir)  # BaseException): every rank learns it in _agree
     _agree(failure, f"checkpoint-{step}", output_dir, tmp, accelerator.is_main_process)
     if accelerator.is_local_main_process and not accelerator.is_main_process:
         try:  # the other nodes' writes reach their devices before the main process renames (it syncs its own)
