@@ -69,32 +69,28 @@ if uid:
     if libc.unshare(0x00020000 | 0x40000000) != 0:  # CLONE_NEWNS | CLONE_NEWNET
         raise SystemExit("sandbox: unshare failed: " + os.strerror(ctypes.get_errno()))
     mount("none", "/", None, 0x4000 | 0x40000)  # MS_REC | MS_PRIVATE: nothing leaks out of this namespace
-    # A folder other users may not enter (root's home, 0700) that holds the interpreter: a tmpfs over it, the
-    # interpreter's folders bound back in, the rest (keys, tokens, caches) out of sight.
-    closed = {}
+    # Fresh tmpfs over /tmp, /var/tmp, /dev/shm, and over a folder other users may not enter (root's home, 0700) that
+    # holds the interpreter; the interpreter's folders under any of them (a checkout in /tmp) bound back in, through
+    # handles taken before: the rest (keys, tokens, caches, other users' files) out of sight.
+    covered = ["/tmp", "/var/tmp", "/dev/shm"]
     for path in needed:
         parts = path.split("/")
         for k in range(2, len(parts)):
             top = "/".join(parts[:k])
             if not os.stat(top).st_mode & 0o001:
-                closed.setdefault(top, []).append(path)
+                covered.append(top)
                 break
-    mount("tmpfs", "/tmp", "tmpfs", 0x2 | 0x4, f"size={tmpfs}m,mode=1777")  # nosuid nodev
-    stage = []
-    for top, paths in closed.items():
-        for path in paths:
-            stage.append((f"/tmp/.stage{len(stage)}", path))
-            os.mkdir(stage[-1][0])
-            mount(path, stage[-1][0], None, 0x1000 | 0x4000)  # MS_BIND | MS_REC
-        mount("tmpfs", top, "tmpfs", 0x2 | 0x4, "size=1m,mode=755")
-    for held, path in stage:
+    keep = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in needed
+            if any(path == top or path.startswith(top + "/") for top in covered)}
+    for top in dict.fromkeys(covered):
+        if os.path.isdir(top):
+            writable = top in ("/tmp", "/var/tmp", "/dev/shm")
+            mount("tmpfs", top, "tmpfs", 0x2 | 0x4 | (0x8 if top != "/tmp" and writable else 0),  # nosuid nodev
+                  f"size={tmpfs}m,mode=1777" if writable else "size=1m,mode=755")
+    for path, fd in keep.items():
         os.makedirs(path, mode=0o755, exist_ok=True)
-        mount(held, path, None, 0x1000 | 0x4000)
-        libc.umount2(held.encode(), 2)  # MNT_DETACH
-        os.rmdir(held)
-    for where in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(where):
-            mount("tmpfs", where, "tmpfs", 0x2 | 0x4 | 0x8, f"size={tmpfs}m,mode=1777")  # nosuid nodev noexec
+        mount(f"/proc/self/fd/{fd}", path, None, 0x1000 | 0x4000)  # MS_BIND | MS_REC
+        os.close(fd)
 os.chdir("/tmp")
 for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize),
                      (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_CORE, 0)):
