@@ -26,6 +26,7 @@ parent's environment, killing its parent, a child left running) costs a zero rew
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import re
@@ -121,14 +122,15 @@ class Outcome:
     reason: str  # "" when it passed; else why not: its exit code, a signal, the deadline, the tail of its stderr
 
 
-def _interpreter_folders() -> list[str]:
+@functools.cache
+def _interpreter_folders() -> tuple[str, ...]:
     """What the program's interpreter reads: its installation, the virtual environment, the kit's checkout."""
     import verl_kit
 
     found = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(sys.executable),
                                            os.path.dirname(os.path.realpath(sys.executable)),
                                            os.path.dirname(os.path.dirname(verl_kit.__file__)))}
-    return sorted(p for p in found if not any(p != q and p.startswith(q + "/") for q in found))
+    return tuple(sorted(p for p in found if not any(p != q and p.startswith(q + "/") for q in found)))
 
 
 def run_sandboxed(program: str, limits: Limits = Limits()) -> Outcome:

@@ -74,9 +74,6 @@ class Request:
         for loop, future in waiters:
             loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
 
-    def wait(self, timeout: float) -> bool:
-        return self._done.wait(timeout)
-
     async def wait_async(self, timeout: float) -> bool:
         """Wait on the event loop (no thread per waiting request: 512 episodes wait at once)."""
         loop = asyncio.get_running_loop()
