@@ -155,3 +155,54 @@ def test_processes_started_in_own_process_group_lead_their_own(tmp_path):
         (_, child, child_group), *workers = r["seen"]  # the grandchild and the process started after the block
         assert child == r["pid"] and child_group == child != out["me"], (method, r)
         assert sorted(group for _, _, group in workers) == sorted([child, out["me"]]), (method, r)
+
+
+LEAK_DRIVER = r"""
+import json, multiprocessing as mp, os, signal, sys
+from multiprocessing import resource_tracker, shared_memory
+import psutil
+from verl_kit.launch import processes
+
+
+def queue(ready):  # a child that creates a segment (registered with the tracker it shares) and dies without cleanup
+    segment = shared_memory.SharedMemory(create=True, size=4096)  # mapped while this process lives
+    ready.send(segment.name)
+    signal.pause()
+
+
+if __name__ == "__main__":
+    resource_tracker.ensure_running()
+    theirs, ours = mp.Pipe()
+    child = mp.get_context(sys.argv[1]).Process(target=queue, args=(ours,))
+    child.start()
+    theirs.recv()
+    named = processes.named_ipc([psutil.Process(child.pid)])
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    released = processes.release_leaked_ipc(named, [psutil.Process()]) if sys.argv[2] == "release" else []
+    print(json.dumps([sorted(named), released, [p for p in named if os.path.exists(p)]]), flush=True)
+"""
+
+
+def test_shared_memory_of_a_killed_child_is_released_without_a_warning(tmp_path):
+    """processes.release_leaked_ipc, which a colocated engine's close() calls: vLLM SIGKILLs an engine core slower to
+    stop than its shutdown timeout, and the core's message queues (multiprocessing shared memory, registered with the
+    resource tracker this process shares) outlive it; the tracker then unlinked them at this process's exit with a
+    "leaked shared_memory objects" warning on its stderr (a CI run's async GRPO stop ended with it). Released, the
+    segment is gone and the exit is silent; without the release (the control) the warning appears."""
+    import json
+
+    script = tmp_path / "driver.py"
+    script.write_text(LEAK_DRIVER)
+    for method in ("fork", "spawn"):
+        for mode in ("release", "control"):
+            p = subprocess.run([sys.executable, str(script), method, mode], cwd=REPO, env=env(), capture_output=True,
+                               text=True, timeout=60)
+            assert p.returncode == 0, p.stderr[-3000:]
+            warned = "leaked shared_memory" in p.stderr
+            named, released, left = json.loads(p.stdout.strip().splitlines()[-1])
+            assert len(named) == 1 and named[0].startswith("/dev/shm/psm_"), (method, p.stdout)
+            if mode == "release":
+                assert released == named and not left and not warned, (method, p.stdout, p.stderr[-2000:])
+            else:
+                assert released == [] and left == named and warned, (method, p.stdout, p.stderr[-2000:])

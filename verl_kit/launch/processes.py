@@ -101,6 +101,54 @@ def kill_tree(procs: list, grace_s: float) -> None:
     wait_gone(left, [], 5.0)
 
 
+# ---- what a killed process leaves of multiprocessing's named objects ------------------------------------------------
+
+_NAMED = {"psm_": "shared_memory", "sem.mp-": "semaphore"}  # /dev/shm/<prefix>...: SharedMemory, a spawned SemLock
+
+
+def named_ipc(procs: list) -> set[str]:
+    """The /dev/shm paths of multiprocessing's shared memory and semaphores that these processes map."""
+    out = set()
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/maps") as f:
+                for line in f:
+                    path = (line.split(maxsplit=5)[5:] or [""])[0].strip().removesuffix(" (deleted)")
+                    if path.startswith("/dev/shm/") and os.path.basename(path).startswith(tuple(_NAMED)):
+                        out.add(path)
+        except OSError:
+            pass
+    return out
+
+
+def release_leaked_ipc(paths: set[str], procs: list) -> list[str]:
+    """Unlink those of `paths` (named_ipc of `procs`, taken while they ran) that outlived them and no live one of them
+    maps: their creator was killed before its own cleanup (vLLM SIGKILLs an engine core that takes longer than its
+    shutdown timeout). Each is also taken off multiprocessing's resource tracker, which this process shares with the
+    processes it started (call `resource_tracker.ensure_running()` before starting them) and which would otherwise
+    unlink it at this process's exit with a "leaked shared_memory objects" warning. Objects this process maps are its
+    own and left alone. Returns the paths released."""
+    import _multiprocessing
+    from multiprocessing import resource_tracker
+
+    keep = named_ipc([p for p in procs if alive(p)]) | named_ipc([psutil.Process()])
+    released = []
+    for path in sorted(paths - keep):
+        name = os.path.basename(path)
+        kind = next(k for prefix, k in _NAMED.items() if name.startswith(prefix))
+        tracked = "/" + name.removeprefix("sem.")  # the name its creator registered
+        try:
+            if kind == "semaphore":
+                _multiprocessing.sem_unlink(tracked)
+            else:
+                os.unlink(path)
+        except OSError:
+            continue  # its creator did unlink it (after we looked), and took it off the tracker itself
+        resource_tracker.unregister(tracked, kind)
+        released.append(path)
+    return released
+
+
 # ---- the orphan guard: the training process's side -----------------------------------------------------------------
 
 class OrphanGuard:

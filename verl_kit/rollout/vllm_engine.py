@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import replace
+from multiprocessing import resource_tracker
 
 import torch
 
@@ -59,6 +60,13 @@ def _cpu_env(kv_cache_gib: float, threads: int | None = None):
         if not 1 <= threads <= len(cores):
             raise UserError(f"vLLM cpu_threads={threads}: this process may use {len(cores)} cores")
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[:threads]))
+    with _environ(env):
+        yield
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    """These environment variables while the block runs, then the previous ones."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -79,6 +87,9 @@ def vllm_sampling(params: SamplingParams):
         n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
         max_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos, seed=params.seed,
         stop=params.stop, logprobs=0)
+
+
+ENGINE_SHUTDOWN_GRACE_S = 30  # close(): how long the engine core may take to stop before it is SIGKILLed
 
 
 class VLLMColocated(SyncedBackend):
@@ -129,6 +140,8 @@ class VLLMColocated(SyncedBackend):
         # group of their own: a SIGTERM to the job's group reaches the trainer, which saves, then closes them.
         self._guard_key = f"engine-{os.getpid()}-{id(self)}"
         env = contextlib.nullcontext() if gpu else _cpu_env(kv_cache_gib, cpu_threads)
+        resource_tracker.ensure_running()  # the engine's processes share this process's (see close)
+        before = {p.pid for p in processes.descendants()}
         with orphan_guard().watch(self._guard_key), processes.own_process_group(), env:
             self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype,
                                 tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
@@ -136,6 +149,8 @@ class VLLMColocated(SyncedBackend):
                                 weight_transfer_config=WEIGHT_TRANSFER_CONFIG,
                                 logprobs_mode="processed_logprobs", enforce_eager=not gpu if enforce_eager is None
                                 else enforce_eager, **kwargs)
+        self._engine_procs = [p for p in processes.descendants() if p.pid not in before]
+        self._engine_ipc = processes.named_ipc(self._engine_procs)  # its message queues (close: what outlives it)
         self.tokenizer = tokenizer
         self.bucket_mb, self.sync_timeout_s, self.transport = bucket_mb, sync_timeout_s, transport
         self.probe = Probe(probe_prompts, probe_threshold or default_probe_threshold(dtype)) if probe_prompts else None
@@ -229,9 +244,18 @@ class VLLMColocated(SyncedBackend):
         import gc
 
         if hasattr(self, "llm"):
-            del self.llm  # the engine client's finalizer stops the engine core and its workers
-            gc.collect()
+            named = self._engine_ipc | processes.named_ipc(self._engine_procs)
+            # The engine client's finalizer stops the engine core (SIGTERM), which stops its workers; vLLM SIGKILLs a
+            # core still there after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s; a loaded 2-core machine took longer).
+            with _environ({"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": os.environ.get(
+                    "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(ENGINE_SHUTDOWN_GRACE_S))}):
+                del self.llm
+                gc.collect()
             orphan_guard().forget(self._guard_key)
+            # A core SIGKILLed all the same left its message queues: released here, not by the resource tracker with
+            # a warning at this process's exit.
+            if leaked := processes.release_leaked_ipc(named, self._engine_procs):
+                logger.debug("released %d shared-memory objects the stopped engine left: %s", len(leaked), leaked)
         self._close_transports(release=False)  # the engine, and its mappings of the slots, are gone
         if self._adapter_root is not None:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
