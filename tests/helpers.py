@@ -5,6 +5,7 @@ over another vocabulary, for the tests of several folders. Importable as `helper
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -405,3 +406,52 @@ def eos_biased_engine(model_path: str, tokenizer, bias: float = 5.0):
     biased.bias.data[tokenizer.eos_token_id] = bias
     engine.model.lm_head = biased
     return engine
+
+
+@contextlib.contextmanager
+def reward_server(model_dir: str, cache_dir, *args: str):
+    """`python -m verl_kit.rewards.serve --model model_dir` as a user starts it (no key of their own: it writes a
+    fresh one to a 0600 file under `cache_dir`, VERL_KIT_CACHE, and prints the file): yields (url, key, process);
+    stopped at the end. Fails with the server's output if it is not healthy within 120 s."""
+    import re
+
+    import requests
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "verl_kit.rewards.serve", "--model", model_dir, "--port", str(port),
+                             *args], cwd=REPO, env=env(VERL_KIT_CACHE=str(cache_dir)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        printed = ""
+        while not (found := re.search(r"VERL_KIT_REWARD_KEY=\$\(cat (\S+)\)", printed)):
+            line = proc.stdout.readline()
+            assert line, f"the reward server ended before printing its key:\n{printed}"
+            printed += line
+        path = found.group(1)
+        assert os.stat(path).st_mode & 0o777 == 0o600, oct(os.stat(path).st_mode)
+        key, url = open(path).read().strip(), f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                if requests.get(url + "/health", headers={"Authorization": f"Bearer {key}"}, timeout=2).ok:
+                    break
+            except requests.RequestException:
+                pass
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+            time.sleep(0.2)
+        yield url, key, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -497,12 +497,18 @@ class EnvironmentConfig(Config):
 class RewardConfig(Config):
     """How a response is scored: reward functions and/or a reward model, weighted, with their limits."""
 
-    RESUME: ClassVar[dict] = dict.fromkeys(("reward_timeout_s", "reward_max_concurrency"), "free")
+    RESUME: ClassVar[dict] = dict.fromkeys(("reward_timeout_s", "reward_max_concurrency", "reward_model_url",
+                                            "reward_model_ca_file"), "free")
 
     reward_fn: str | None = field(default="verl_kit.rewards:kind_reply", metadata={
         "help": "comma-separated reward functions, module:function or path/to/file.py:function"})
     reward_model_name_or_path: str | None = field(default=None, metadata={
         "help": "HF sequence-classification reward model (its own tokenizer and chat template)"})
+    reward_model_url: str | None = field(default=None, metadata={
+        "help": "a reward model served by `python -m verl_kit.rewards.serve` (instead of --reward_model_name_or_path):"
+                " scored over HTTP with the key in VERL_KIT_REWARD_KEY; a failed request is --reward_fallback"})
+    reward_model_ca_file: str | None = field(default=None, metadata={
+        "help": "the CA file (or self-signed certificate) that verifies an https --reward_model_url"})
     reward_weights: str | None = field(default=None, metadata={
         "help": "comma-separated weights, one per reward_fn then the reward model; default all 1"})
     missing_eos_penalty: float = field(default=0.0, metadata={"help": "added to the score of responses without EOS"})
@@ -523,11 +529,17 @@ class RewardConfig(Config):
         if self.reward_fallback is not None and not math.isfinite(self.reward_fallback):
             raise UserError(f"--reward_fallback {self.reward_fallback}: use a finite score")
         self.at_least(1, "reward_max_concurrency")
+        if self.reward_model_url and self.reward_model_name_or_path:
+            raise UserError("--reward_model_url and --reward_model_name_or_path: pass one reward model")
+        if self.reward_model_url and not self.reward_model_url.startswith(("http://", "https://")):
+            raise UserError(f"--reward_model_url {self.reward_model_url}: expected http://HOST:PORT or https://...")
+        if self.reward_model_ca_file is not None and not os.path.isfile(self.reward_model_ca_file):
+            raise UserError(f"--reward_model_ca_file {self.reward_model_ca_file}: no such file")
 
     @property
     def any(self) -> bool:
         """A reward function or a reward model is named."""
-        return bool(self.reward_model_name_or_path) or any(
+        return bool(self.reward_model_name_or_path or self.reward_model_url) or any(
             s.strip() not in ("", "none") for s in (self.reward_fn or "").split(","))
 
 

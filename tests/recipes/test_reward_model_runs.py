@@ -87,15 +87,20 @@ def test_margin_column_and_centering_train(tmp_path):
 
 @pytest.mark.slow
 def test_sft_then_reward_model_then_ppo(trained, tmp_path):
-    """The pipeline: a briefly SFT-ed policy, the reward model this module trained on the preference pairs, and PPO
-    driven by that reward model alone; the reward model's score of the policy's samples rises."""
+    """The pipeline: a briefly SFT-ed policy, the reward model this module trained on the preference pairs, served
+    once (`python -m verl_kit.rewards.serve`, as several runs would share it; its key in VERL_KIT_REWARD_KEY), and PPO
+    driven by that served reward model alone (--reward_model_url); the reward model's score of the policy's samples
+    rises. (The served scores equal a local reward model's: tests/rewards/test_remote.py.)"""
+    from helpers import reward_server
+
     sft, rm, ppo = tmp_path / "sft", trained, tmp_path / "ppo"
     none = ["--dataset_test_split", "none"]
     run(recipe_cmd("sft.py", ["--output_dir", str(sft), "--max_steps", "30", "--learning_rate", "1e-3", *none]))
-    run(recipe_cmd("ppo.py", ["--config", str(REPO / "recipes/configs/ppo_tiny.yaml"), "--output_dir", str(ppo),
-                              "--model_name_or_path", str(sft / "final"), "--reward_fn", "none",
-                              "--reward_model_name_or_path", str(rm / "final"), "--max_steps", "12",
-                              "--logging_steps", "1", *none]), timeout=300)
+    with reward_server(str(rm / "final"), tmp_path / "cache") as (url, key, _):
+        run(recipe_cmd("ppo.py", ["--config", str(REPO / "recipes/configs/ppo_tiny.yaml"), "--output_dir", str(ppo),
+                                  "--model_name_or_path", str(sft / "final"), "--reward_fn", "none",
+                                  "--reward_model_url", url, "--max_steps", "12", "--logging_steps", "1", *none]),
+            timeout=300, VERL_KIT_REWARD_KEY=key)
     reward = [r["reward/mean"] for r in metrics(ppo) if "reward/mean" in r]
     print("pipeline ppo reward", [round(x, 3) for x in reward])
     assert len(reward) == 12

@@ -1,5 +1,5 @@
-"""Rewards: reward functions (TRL's calling convention), a frozen reward model, their weighted sum, and training a
-reward model."""
+"""Rewards: reward functions (TRL's calling convention), a frozen reward model or a served one, an LLM judge, their
+weighted sum, and training a reward model."""
 
 from verl_kit.rewards.code import Limits, code_tests, run_sandboxed
 from verl_kit.rewards.combined import RewardModel, Rewards, load_reward_model, make_rewards, weighted_sum
@@ -20,6 +20,7 @@ from verl_kit.rewards.functions import (
     reward_columns,
     soft_overlong_punishment,
 )
+from verl_kit.rewards.remote import LLMJudge, RemoteRewardModel, RewardServerError, parse_score
 from verl_kit.rewards.reward_model import (
     TokenRewardModel,
     last_token_index,

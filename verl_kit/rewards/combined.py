@@ -3,6 +3,7 @@ own tokenizer and chat template), weighted and summed, with the missing-EOS pena
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -14,9 +15,12 @@ from verl_kit.config import RewardConfig
 from verl_kit.errors import UserError
 from verl_kit.models.loading import pretrained, resolve_model_path
 from verl_kit.rewards.functions import CallLimits, call_reward_fn, load_reward_fn, nonfinite_score, reward_columns
+from verl_kit.rewards.remote import RemoteRewardModel, RewardServerError
 from verl_kit.rollout.types import Scores, select_rows
 from verl_kit.train.distributed import reduce_metrics
 from verl_kit.train.trainable import frozen
+
+logger = logging.getLogger(__name__)
 
 
 def weighted_sum(scores: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -49,7 +53,7 @@ class Rewards:
             raise UserError(f"--reward_weights {weights!r}: expected finite numbers")
         if (n == 0 and not env_reward) or len(self.weights) != n:  # env_reward: an environment's get_reward
             raise UserError(f"--reward_weights: {len(self.weights)} weight(s) for {n} reward source(s) "
-                            "(--reward_fn entries, then --reward_model_name_or_path)")
+                            "(--reward_fn entries, then --reward_model_name_or_path or --reward_model_url)")
 
     def sources(self, prompts: list, completions: list[str], columns: dict[str, list] | None = None, *,
                 completion_ids: list | None = None) -> dict[str, torch.Tensor]:
@@ -60,9 +64,26 @@ class Rewards:
         if self.reward_model:  # a non-finite score: --reward_fallback, or one line naming the model and the sample
             scores.append(torch.tensor([nonfinite_score(f"reward model {self.names[-1]}", v, self.limits, p, c, i)
                                         for i, (v, p, c) in enumerate(zip(
-                                            self.reward_model.score(prompts, completions).tolist(), prompts,
-                                            completions))], dtype=torch.float32))
+                                            self.model_scores(prompts, completions), prompts, completions))],
+                                       dtype=torch.float32))
         return dict(zip(self.names, scores))
+
+    def model_scores(self, prompts: list, completions: list[str]) -> list[float]:
+        """The reward model's scores; a served one's failed request (rewards.remote.RewardServerError) scores every
+        sample of the batch --reward_fallback, counted, or stops the run in one line naming the server."""
+        try:
+            return self.reward_model.score(prompts, completions).tolist()
+        except RewardServerError as e:
+            if self.limits.fallback is None:
+                raise UserError(f"reward model at {self.reward_model.url}: {e}; pass --reward_fallback <score> to "
+                                "score such batches and go on") from None
+            logger.warning("reward model at %s: %s; %d samples scored --reward_fallback %g", self.reward_model.url, e,
+                           len(completions), self.limits.fallback)
+            if e.timed_out:
+                self.limits.timeouts += len(completions)
+            else:
+                self.limits.errors += len(completions)
+            return [self.limits.fallback] * len(completions)
 
     def total(self, sources: dict[str, torch.Tensor], truncated: torch.Tensor) -> torch.Tensor:
         """The weighted sum of `sources` (B,), with the missing-EOS penalty on the `truncated` responses."""
@@ -162,11 +183,15 @@ class RewardModel:
 def make_rewards(cfg: RewardConfig, accelerator, tokenizer, max_length: int, batch_size: int,
                  env_reward: bool = False) -> Rewards:
     """The run's Rewards from its RewardConfig: `--reward_fn`, `--reward_model_name_or_path` (placed frozen: a ZeRO-3
-    inference engine under ZeRO-3; it reads `max_length` tokens, `batch_size` responses per forward),
+    inference engine under ZeRO-3; it reads `max_length` tokens, `batch_size` responses per forward) or
+    `--reward_model_url` (served: rewards.remote.RemoteRewardModel),
     `--reward_weights`, `--missing_eos_penalty`, `--reward_timeout_s`, `--reward_max_concurrency`,
     `--reward_fallback`; `env_reward`: an environment's get_reward() adds to the score."""
     reward_model = None
-    if cfg.reward_model_name_or_path:
+    if cfg.reward_model_url:
+        reward_model = RemoteRewardModel(cfg.reward_model_url, ca_file=cfg.reward_model_ca_file,
+                                         timeout_s=cfg.reward_timeout_s)
+    elif cfg.reward_model_name_or_path:
         reward_model = load_reward_model(cfg.reward_model_name_or_path, lambda load: frozen(accelerator, load),
                                          accelerator.device, max_length, batch_size)
     limits = CallLimits(cfg.reward_timeout_s, cfg.reward_fallback, cfg.reward_max_concurrency)

@@ -147,7 +147,7 @@ def self_signed_certificate(hosts: list[str], folder: str, days: int = 30) -> tu
 
 
 def check_exposure(host: str, ssl_certfile: str | None, ssl_keyfile: str | None, allow_insecure_http: bool,
-                   extra: list[str] = ()) -> None:
+                   extra: list[str] = (), ca_flag: str = "--vllm_server_ca_file") -> None:
     """A server beyond loopback speaks TLS (its key and the weights would cross the network in clear otherwise), or
     is told `--allow_insecure_http` (one warning line). One-line errors. (`extra`: flags for vLLM itself, where its
     own spelling of the TLS flags is refused: the kit must know the server speaks https.)"""
@@ -164,7 +164,7 @@ def check_exposure(host: str, ssl_certfile: str | None, ssl_keyfile: str | None,
         return
     if not allow_insecure_http:
         raise UserError(f"--host {host}: beyond loopback the server's key would cross the network in clear: pass "
-                        "--ssl_certfile and --ssl_keyfile (TLS; clients verify it with --vllm_server_ca_file), or "
+                        f"--ssl_certfile and --ssl_keyfile (TLS; clients verify it with {ca_flag}), or "
                         "--allow_insecure_http on a network you trust")
     logger.warning("--allow_insecure_http: the server on %s takes its key and serves its API in clear", host)
 
@@ -176,10 +176,10 @@ class RequireKey:
     """ASGI middleware of the kit's server (vLLM's `--middleware`, so it wraps every route, mount and dev endpoint):
     a request without `Authorization: Bearer <VLLM_API_KEY>` gets 401 on every path and method, /collective_rpc,
     /health, /metrics and OPTIONS included (a websocket is closed before it is accepted). Refuses to start without
-    a key."""
+    a key (`key`, else VLLM_API_KEY; the reward server, verl_kit.rewards.serve, passes its own)."""
 
-    def __init__(self, app):
-        key = os.environ.get("VLLM_API_KEY")
+    def __init__(self, app, key: str | None = None):
+        key = key or os.environ.get("VLLM_API_KEY")
         if not key:
             raise RuntimeError("verl_kit RequireKey: VLLM_API_KEY is not set in the server's environment")
         self.app = app
@@ -309,15 +309,36 @@ def _private_file(path: str):
     return os.fdopen(fd, "w")
 
 
-def key_file(port: int) -> str:
-    """Where `make vllm-serve` keeps the key of the server on `port` when it made one: in a 0700 folder of the kit's
-    cache (VERL_KIT_CACHE)."""
+def key_file(port: int, kind: str = "vllm-serve") -> str:
+    """Where `make vllm-serve` (or another `kind` of server: "reward-serve") keeps the key of the server on `port`
+    when it made one: in a 0700 folder of the kit's cache (VERL_KIT_CACHE)."""
     from verl_kit.models.loading import cache_dir
 
-    folder = os.path.join(cache_dir(), "vllm-serve")
+    folder = os.path.join(cache_dir(), kind)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     os.chmod(folder, 0o700)
     return os.path.join(folder, f"{port}.key")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """A one-line error when `host:port` is taken (a server already running there)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(f"--port {port}: {host}:{port} is taken ({e.strerror}); is a server already running "
+                            "there?") from None
+
+
+def server_key(env: str, port: int, kind: str) -> tuple[str, str | None]:
+    """A standalone server's key: the environment variable `env` when set (-> (key, None)), else a fresh one
+    written to key_file(port, kind), readable by this user only (-> (key, that file))."""
+    if key := os.environ.get(env):
+        return key, None
+    key, where = new_key(), key_file(port, kind)
+    with _private_file(where) as f:
+        f.write(key + "\n")
+    return key, where
 
 
 def main(argv: list[str]) -> None:
@@ -346,20 +367,12 @@ def main(argv: list[str]) -> None:
                         max_model_len=args.max_model_len, ssl_certfile=args.ssl_certfile,
                         ssl_keyfile=args.ssl_keyfile, extra=extra)
     url = server_url(args.host, args.port, bool(args.ssl_certfile))
-    with socket.socket() as s:  # before a fresh key replaces the key file of a server already on this port
-        try:
-            s.bind((args.host, args.port))
-        except OSError as e:
-            raise UserError(f"--port {args.port}: {args.host}:{args.port} is taken ({e.strerror}); is a server "
-                            "already running there?") from None
-    key = os.environ.get("VLLM_API_KEY")
-    if key:
+    check_port_free(args.host, args.port)  # before a fresh key replaces the key file of a server already there
+    key, where = server_key("VLLM_API_KEY", args.port, "vllm-serve")
+    if where is None:
         how = "the same VLLM_API_KEY in its environment"
         run = ""
     else:
-        key, where = new_key(), key_file(args.port)
-        with _private_file(where) as f:
-            f.write(key + "\n")
         how = f"its key (in {where}, readable by you only)"
         run = f"VLLM_API_KEY=$(cat {shlex.quote(where)}) "
     print(" ".join(cmd), flush=True)
