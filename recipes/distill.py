@@ -211,7 +211,7 @@ def main():
         # ---- metrics, samples, checkpoint ----------------------------------------------------------------------
         t = tally.reduce()
         timer.seconds["timing_s/step"] = time.time() - t_step
-        metrics = {**rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"]),
+        metrics = {**rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], (), prompts.sources),
                    "teacher_kl": t["teacher_kl"] / t["kl_tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("loss", "pg_clipfrac", "approx_kl", "entropy")},
                    **actor.metrics(grad_norms), "rollout/staleness": staleness, **algos.step_metrics(t),

@@ -98,9 +98,10 @@ def main():
     tokenizer = models.load_tokenizer(model_path, cfg.train.chat_template_kwargs)
     pad = tokenizer.pad_token_id
     train_ds, test_ds = data.load_splits(tc)
-    pairs = data.preference_examples(train_ds, tokenizer, tc.max_prompt_length, tc.max_length, tc.dataset_name)
+    pairs = data.preference_examples(train_ds, tokenizer, tc.max_prompt_length, tc.max_length, tc.train_source)
+    sources = data.row_sources(train_ds, len(pairs))  # data/source_share/* of a mixture's steps
     test = data.preference_examples(test_ds, tokenizer, tc.max_prompt_length, tc.max_length,
-                                    f"{tc.dataset_name}[{tc.dataset_test_split}]") if test_ds else []
+                                    tc.test_source) if test_ds else []
     items = lambda exs: [train.completion_sequences(e.prompt_ids, [e.chosen_ids, e.rejected_ids]) for e in exs]
     lengths = lambda exs: torch.tensor([[len(e.chosen_ids), len(e.rejected_ids)] for e in exs], dtype=torch.float32)
 
@@ -160,7 +161,7 @@ def main():
         t = tally.reduce()
         dt = time.time() - t0
         metrics = {**pair_metrics(t, per_step), **policy.metrics([grad_norm]), "perf/tokens_per_s": t["tokens"] / dt,
-                   "timing_s/step": dt, "tokens": t["tokens"]}
+                   "timing_s/step": dt, "tokens": t["tokens"], **sources.metrics(idx)}
         log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
         if stop := ckpt.save_if_due(step + 1):
             break  # saved: the run ends below, without an export

@@ -224,7 +224,8 @@ def main():
         t = tally.reduce()
         tokens = max(t["tokens"], 1)  # 0 when every episode of the step failed: nothing was learned
         timer.seconds["timing_s/step"] = time.time() - t_step
-        metrics = {**rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments),
+        metrics = {**rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments,
+                                                 prompts.sources),
                    "reward/frac_zero_std": t["flat_groups"] / t["groups"], "kl": t["kl"] / tokens,
                    **{f"actor/{k}": t[k] / tokens for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    **actor.metrics(grad_norms), "rollout/staleness": staleness, **algos.step_metrics(t),

@@ -78,8 +78,9 @@ def main():
     load = lambda ds, source: data.unpaired_examples(ds, tokenizer, tc.max_prompt_length, tc.max_length, source,
                                                      kto.unpair_preference_dataset)
     train_ds, test_ds = data.load_splits(tc)
-    examples = load(train_ds, tc.dataset_name)
-    test = load(test_ds, f"{tc.dataset_name}[{tc.dataset_test_split}]") if test_ds else []
+    examples = load(train_ds, tc.train_source)
+    sources = data.row_sources(train_ds, len(examples))  # data/source_share/* of a mixture's steps
+    test = load(test_ds, tc.test_source) if test_ds else []
     kl_train = data.mismatched_partners([e.prompt_ids for e in examples], tc.seed)
     kl_test = data.mismatched_partners([e.prompt_ids for e in test], tc.seed) if test else []
     both = lambda exs, partner: [  # target and KL sequence share the prompt: one item
@@ -177,7 +178,7 @@ def main():
                 by_class.update({f"logratio/{cls}": lr / n, f"rewards/{cls}": kto.beta * lr / n})
         metrics = {"loss": t["loss"] / per_step, "kl": z0.item(), "rewards/accuracy": t["correct"] / per_step,
                    **by_class, **policy.metrics([grad_norm]), "perf/tokens_per_s": tokens / dt, "timing_s/step": dt,
-                   "tokens": tokens}
+                   "tokens": tokens, **sources.metrics(idx)}
         log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
         if stop := ckpt.save_if_due(step + 1):
             break  # saved: the run ends below, without an export

@@ -196,7 +196,8 @@ def main():
                    "critic/vf_loss": t["vf_loss"] / tokens, "critic/vf_clipfrac": t["vf_clipfrac"] / tokens,
                    "critic/explained_var": explained,
                    "critic/grad_norm": sum(grad_norms["critic"]) / len(grad_norms["critic"]),
-                   **rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments),
+                   **rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments,
+                                           prompts.sources),
                    "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(), **timer.seconds,
                    **sync_metrics}
         if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,

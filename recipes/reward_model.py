@@ -47,11 +47,12 @@ def main():
     tokenizer = models.load_tokenizer(model_path, cfg.train.chat_template_kwargs)
     pad = tokenizer.pad_token_id
     train_ds, test_ds = data.load_splits(tc)
-    test_source = f"{tc.dataset_name}[{tc.dataset_test_split}]"
-    pairs = data.preference_examples(train_ds, tokenizer, tc.max_prompt_length, tc.max_length, tc.dataset_name)
+    test_source = tc.test_source
+    pairs = data.preference_examples(train_ds, tokenizer, tc.max_prompt_length, tc.max_length, tc.train_source)
+    sources = data.row_sources(train_ds, len(pairs))  # data/source_share/* of a mixture's steps
     test = data.preference_examples(test_ds, tokenizer, tc.max_prompt_length, tc.max_length, test_source) \
         if test_ds else []
-    margin_train = rewards.margins(train_ds, tc.dataset_name)
+    margin_train = rewards.margins(train_ds, tc.train_source)
     margin_test = rewards.margins(test_ds, test_source) if test_ds else None
     items = lambda exs: [train.completion_sequences(e.prompt_ids, [e.chosen_ids, e.rejected_ids]) for e in exs]
     center = cfg.reward_model.center_rewards_coefficient or 0.0
@@ -100,7 +101,7 @@ def main():
         t = tally.reduce()
         dt = time.time() - t0
         metrics = {**pair_metrics(t, per_step), **rm.metrics([grad_norm]), "perf/tokens_per_s": t["tokens"] / dt,
-                   "timing_s/step": dt, "tokens": t["tokens"]}
+                   "timing_s/step": dt, "tokens": t["tokens"], **sources.metrics(idx)}
         log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
         if stop := ckpt.save_if_due(step + 1):
             break  # saved: the run ends below, without an export

@@ -61,8 +61,9 @@ def main():
     load = lambda ds, source: data.sft_examples(ds, tokenizer, tc.max_prompt_length, tc.max_length, source,
                                                 sft.dataset_text_field, sft.completion_only_loss,
                                                 sft.assistant_only_loss)
-    examples = load(train_ds, tc.dataset_name)
-    test = load(test_ds, f"{tc.dataset_name}[{tc.dataset_test_split}]") if test_ds else []
+    examples = load(train_ds, tc.train_source)
+    sources = data.row_sources(train_ds, len(examples))  # data/source_share/* of a mixture's steps
+    test = load(test_ds, tc.test_source) if test_ds else []
     items = lambda exs: [([e.input_ids], [e.loss_mask]) for e in exs]  # one scored sequence per example
     learned = lambda exs: sum(sum(e.loss_mask) for e in exs)
 
@@ -107,7 +108,8 @@ def main():
         t = tally.reduce()
         dt = time.time() - t0
         metrics = {"loss": t["nll"] / n_tokens, **policy.metrics([grad_norm]), "learned_tokens": n_tokens,
-                   "tokens": t["tokens"], "perf/tokens_per_s": t["tokens"] / dt, "timing_s/step": dt}
+                   "tokens": t["tokens"], "perf/tokens_per_s": t["tokens"] / dt, "timing_s/step": dt,
+                   **sources.metrics(idx)}
         log.end_step(step + 1, metrics, tc.logging_steps, tc.eval_steps, evaluate if test else None, "loss")
         if stop := ckpt.save_if_due(step + 1):
             break  # saved: the run ends below, without an export

@@ -130,12 +130,29 @@ class ModelConfig(Config):
 
 
 @dataclass
+class DatasetConfig:
+    """One dataset of a mixture, TRL 1.16's DatasetConfig (trl/scripts/utils.py): datasets.load_dataset's `path`,
+    `name`, `data_dir`, `data_files` and `split`, the `columns` kept, and the `fraction` of the mixture. A `path`
+    that is a local .jsonl/.json/.parquet file or a directory of them loads as --dataset_name does."""
+
+    path: str
+    name: str | None = None
+    data_dir: str | None = None
+    data_files: str | list[str] | dict[str, str] | None = None
+    split: str = "train"
+    columns: list[str] | None = None
+    fraction: float | None = None
+
+
+@dataclass
 class DataConfig(Config):
     """The data and its lengths (TRL's ScriptArguments names the dataset): the train and held-out splits, and how
-    long a prompt and a whole sequence may be."""
+    long a prompt and a whole sequence may be; or a mixture of datasets (`datasets:` in the config, TRL's
+    DatasetMixtureConfig form)."""
 
     RESUME: ClassVar[dict] = dict.fromkeys(("dataset_name", "dataset_config", "dataset_train_split",
-                                            "dataset_test_split"), "free")  # the data is compared by its rows' hash
+                                            "dataset_test_split", "datasets", "test_split_size"),
+                                           "free")  # the data is compared by its rows' hash
 
     dataset_name: str = field(default=TINY_PREFS, metadata={
         "help": "hub dataset name, or a local .jsonl/.json/.parquet file or a directory of them"})
@@ -145,15 +162,61 @@ class DataConfig(Config):
         "help": "held-out split for evaluation; 'none' to skip"})
     max_length: int = field(default=512, metadata={"help": "max tokens of prompt + completion"})
     max_prompt_length: int = field(default=256, metadata={"help": "prompts longer than this keep their last tokens"})
+    datasets: list[DatasetConfig] = field(default_factory=list, metadata={
+        "help": "a mixture instead of --dataset_name (TRL's DatasetMixtureConfig form; in the YAML config, a list of "
+                "path/name/data_dir/data_files/split/columns/fraction entries; on the command line, paths): each "
+                "row's data_source column names its dataset; with fractions, the first round(fraction x N) rows of "
+                "each, N the largest mixture no dataset is oversampled in (TRL's rule)"})
+    test_split_size: float | None = field(default=None, metadata={
+        "help": "with --datasets: the held-out share (< 1) or row count (>= 1) split off the mixture (seed 0); "
+                "unset: no held-out split"})
 
     def __post_init__(self):
+        self.datasets = [mixture_entry(i, d) for i, d in enumerate(self.datasets or [])]
         super().__post_init__()
+        if self.datasets:
+            fractions = [d.fraction for d in self.datasets]
+            if any(f is not None for f in fractions) and any(f is None for f in fractions):
+                raise UserError("datasets: set `fraction` for every dataset of the mixture or for none")
+            if any(f is not None and not (math.isfinite(f) and f > 0) for f in fractions):
+                raise UserError(f"datasets: fractions must be positive numbers, got {fractions}")
+        if self.test_split_size is not None and not (self.datasets and self.test_split_size > 0):
+            raise UserError(f"--test_split_size {self.test_split_size}: a positive share or count, with --datasets")
         if isinstance(self.dataset_test_split, str) and self.dataset_test_split.lower() == "none":
             self.dataset_test_split = None
         self.at_least(1, "max_length")
         if self.max_prompt_length >= self.max_length:
             raise UserError(f"--max_prompt_length ({self.max_prompt_length}) must be below --max_length "
                             f"({self.max_length}) to leave room for the completion")
+
+    @property
+    def train_source(self) -> str:
+        """How errors name the train rows: the dataset, or the mixture (its rows numbered in mixing order)."""
+        return f"the mixture of {', '.join(d.path for d in self.datasets)}" if self.datasets else self.dataset_name
+
+    @property
+    def test_source(self) -> str:
+        """How errors name the held-out rows."""
+        if self.datasets:
+            return f"the held-out rows of {self.train_source}"
+        return f"{self.dataset_name}[{self.dataset_test_split}]"
+
+
+def mixture_entry(i: int, entry) -> DatasetConfig:
+    """`datasets:` entry i as a DatasetConfig: a mapping of its fields (YAML), a path (the command line), or one
+    already; one line naming the entry and the key otherwise."""
+    if isinstance(entry, DatasetConfig):
+        return entry
+    if isinstance(entry, str):
+        return DatasetConfig(path=entry)
+    if not isinstance(entry, dict):
+        raise UserError(f"datasets[{i}]: expected a mapping with a `path`, got {type(entry).__name__} {entry!r}")
+    known = {f.name for f in dataclasses.fields(DatasetConfig)}
+    if unknown := sorted(set(entry) - known):
+        raise UserError(f"datasets[{i}]: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    if not isinstance(entry.get("path"), str) or not entry["path"]:
+        raise UserError(f"datasets[{i}]: `path` is required")
+    return DatasetConfig(**entry)
 
 
 @dataclass
@@ -702,6 +765,8 @@ def _check_type(name: str, value, annotation) -> None:
         if t is int and isinstance(value, int) and not isinstance(value, bool):
             return
         if t in (str, bool, dict) and isinstance(value, t):
+            return
+        if typing.get_origin(t) is list and isinstance(value, list):  # its items are checked by their field's owner
             return
     names = "/".join(getattr(t, "__name__", str(t)) for t in allowed)
     raise UserError(f"--{name}: expected {names}, got {value!r}")

@@ -2,13 +2,18 @@
 packing (TokenBatch, packed or padded layout), the embedded tasks."""
 
 from verl_kit.data.datasets import (
+    SOURCE,
     PreferenceExample,
+    RowSources,
     UnpairedExample,
     load_split,
     load_splits,
     mismatched_partners,
     preference_examples,
+    row_sources,
+    source_metrics,
     split_fingerprint,
+    train_fingerprint,
     unpaired_examples,
 )
 from verl_kit.data.packing import (

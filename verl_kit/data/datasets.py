@@ -4,6 +4,7 @@ number and field. Row numbers are 1-based, so for a .jsonl file they are line nu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -64,14 +65,144 @@ def load_split(name: str, split: str, config: str | None = None, required: bool 
 
 def load_splits(cfg: DataConfig) -> tuple:
     """(train, test) datasets of a recipe config: `--dataset_train_split` and `--dataset_test_split` of
-    `--dataset_name`; test is None when the split is 'none' or the dataset has no such split."""
+    `--dataset_name`; test is None when the split is 'none' or the dataset has no such split. With `datasets:` (a
+    mixture), load_mixture's."""
+    if cfg.datasets:
+        return load_mixture(cfg)
     train = load_split(cfg.dataset_name, cfg.dataset_train_split, cfg.dataset_config)
     test = cfg.dataset_test_split and load_split(cfg.dataset_name, cfg.dataset_test_split, cfg.dataset_config,
                                                  required=False)
     return train, test or None
 
 
+SOURCE = "data_source"  # the column naming each row's dataset in a mixture (verl's name for it)
+
+
+def source_names(cfg: DataConfig) -> list[str]:
+    """The name of each dataset of the mixture, as its rows' data_source: the path's last part without its extension
+    (and the configuration name), the last two parts where two would be the same (arith/train, calc/train), numbered
+    where they still are."""
+    def name(d, parts: int) -> str:
+        return "/".join(d.path.rstrip("/").split("/")[-parts:]).split(".")[0] + (f"/{d.name}" if d.name else "")
+
+    names = [name(d, 1) for d in cfg.datasets]
+    names = [n if names.count(n) == 1 else name(d, 2) for n, d in zip(names, cfg.datasets)]
+    return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+
+
+def load_mixture(cfg: DataConfig) -> tuple:
+    """(train, test) of a mixture, TRL 1.16's get_dataset: each dataset loaded (load_split for a local path or a hub
+    name alone; datasets.load_dataset with data_dir/data_files), its `columns` selected, a `data_source` column
+    added (source_names; a dataset that has one keeps its own), then, with fractions, the first round(w_k x N) rows
+    of dataset k, w the normalised fractions and N the largest total no dataset is oversampled in; concatenated in
+    order. `test_split_size` splits a held-out set off the mixture (seed 0: the same split every run); without it there
+    is none. Datasets whose columns differ are one line naming both (select common ones with `columns`)."""
+    import datasets
+
+    parts = []
+    for i, (d, label) in enumerate(zip(cfg.datasets, source_names(cfg))):
+        where = f"datasets[{i}] ({d.path})"
+        if d.data_files is None and d.data_dir is None:
+            ds = load_split(d.path, d.split, d.name)
+        else:
+            try:
+                ds = datasets.load_dataset(d.path, d.name, data_dir=d.data_dir, data_files=d.data_files, split=d.split)
+            except Exception as e:  # noqa: BLE001 - datasets raises many kinds; one line naming the entry
+                raise UserError(f"{where}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        if d.columns is not None:
+            if missing := sorted(set(d.columns) - set(ds.column_names)):
+                raise UserError(f"{where}: no column(s) {', '.join(missing)} (it has {', '.join(ds.column_names)})")
+            ds = ds.select_columns(d.columns)
+        if SOURCE not in ds.column_names:
+            ds = ds.add_column(SOURCE, [label] * len(ds))
+        parts.append((where, ds))
+    fractions = [d.fraction for d in cfg.datasets]
+    if fractions[0] is not None:
+        weights = [f / sum(fractions) for f in fractions]
+        total = min(len(ds) / w for (_, ds), w in zip(parts, weights))
+        parts = [(where, ds.select(range(round(w * total)))) for (where, ds), w in zip(parts, weights)]
+        for where, ds in parts:
+            if len(ds) == 0:
+                raise UserError(f"{where}: its fraction keeps no row of a mixture of {round(total)}")
+    first_where, first = parts[0]
+    for where, ds in parts[1:]:
+        if sorted(ds.column_names) != sorted(first.column_names):
+            raise UserError(f"{where} has columns {sorted(ds.column_names)} but {first_where} has "
+                            f"{sorted(first.column_names)}; keep the same ones with `columns:`")
+    try:
+        mixed = datasets.concatenate_datasets([ds.select_columns(first.column_names) for _, ds in parts])
+    except ValueError as e:
+        raise UserError(f"datasets: cannot mix them ({str(e).splitlines()[0]})") from None
+    if cfg.test_split_size is None:
+        return mixed, None
+    size = cfg.test_split_size if cfg.test_split_size < 1 else int(cfg.test_split_size)
+    try:
+        split = mixed.train_test_split(test_size=size, seed=0)
+    except ValueError as e:
+        raise UserError(f"--test_split_size {cfg.test_split_size}: {str(e).splitlines()[0]}") from None
+    return split["train"], split["test"]
+
+
+def source_metrics(labels: list, names: list[str], scores=None) -> dict[str, float]:
+    """data/source_share/<name>: each source's share of `labels` (the data_source of this process's samples of the
+    step), and with `scores` (one per label) data/source_reward/<name>, its samples' mean score; over all processes
+    (a collective: every process calls it with the same `names`); {} without names."""
+    from verl_kit.train.distributed import reduce_metrics
+
+    if not names:
+        return {}
+    scores = [float(x) for x in scores] if scores is not None else None
+    sums = {"n": len(labels), **{f"n/{n}": sum(x == n for x in labels) for n in names}}
+    if scores is not None:
+        sums.update({f"r/{n}": sum(v for x, v in zip(labels, scores) if x == n) for n in names})
+    t = reduce_metrics(sums)
+    out = {f"data/source_share/{n}": t[f"n/{n}"] / max(t["n"], 1) for n in names}
+    if scores is not None:
+        out.update({f"data/source_reward/{n}": t[f"r/{n}"] / t[f"n/{n}"] for n in names if t[f"n/{n}"]})
+    return out
+
+
+@dataclass
+class RowSources:
+    """The data_source of each example of a split (`labels`) and the sources' names (sorted; the same on every
+    process): what a recipe's per-step data/source_share/* metrics count."""
+
+    labels: list[str]
+    names: list[str]
+
+    def metrics(self, idx: list[int]) -> dict[str, float]:
+        """source_metrics of the examples `idx` (collective); {} without sources."""
+        return source_metrics([self.labels[i] for i in idx], self.names) if self.names else {}
+
+
+def row_sources(ds, n_examples: int) -> RowSources:
+    """The RowSources of a split whose rows carry a data_source column (a mixture's, or the dataset's own), for
+    `n_examples` examples made from its rows in order, k per row (KTO makes two of a preference pair); none (no
+    metrics) without the column or when examples do not map to rows so."""
+    if ds is None or SOURCE not in ds.column_names or n_examples % len(ds):
+        return RowSources([], [])
+    per_row = n_examples // len(ds)
+    labels = [str(x) for x in ds[SOURCE] for _ in range(per_row)]
+    return RowSources(labels, sorted(set(labels)))
+
+
 _FINGERPRINTS: dict = {}
+
+
+def train_fingerprint(cfg: DataConfig) -> str:
+    """split_fingerprint of the run's train split, or of the mixed train rows of a mixture."""
+    if not cfg.datasets:
+        return split_fingerprint(cfg.dataset_name, cfg.dataset_train_split, cfg.dataset_config)
+    import hashlib
+    import json
+
+    key = json.dumps([dataclasses.asdict(d) for d in cfg.datasets] + [cfg.test_split_size], sort_keys=True)
+    if key not in _FINGERPRINTS:
+        h = hashlib.sha256()
+        for batch in load_mixture(cfg)[0].iter(batch_size=1000):
+            h.update(json.dumps(batch, sort_keys=True, default=str).encode())
+        _FINGERPRINTS[key] = h.hexdigest()[:16]
+    return _FINGERPRINTS[key]
 
 
 def split_fingerprint(name: str, split: str, config: str | None = None) -> str:

@@ -3,10 +3,11 @@ the generation prompt), kept beside the row, for the train and held-out splits."
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from verl_kit.config import DataConfig
-from verl_kit.data.datasets import load_splits, truncate
+from verl_kit.data.datasets import SOURCE, load_splits, truncate
 from verl_kit.errors import UserError
 
 
@@ -17,6 +18,11 @@ class Prompts:
 
     rows: list[dict]
     ids: list[list[int]]
+
+    @functools.cached_property
+    def sources(self) -> list[str]:
+        """The rows' data_source names (the datasets of a mixture), sorted; [] without the column."""
+        return sorted({str(r[SOURCE]) for r in self.rows if SOURCE in r})
 
     @staticmethod
     def each(items: list, n: int) -> list:
@@ -29,7 +35,7 @@ def load_prompt_splits(cfg: DataConfig, tokenizer) -> tuple[Prompts, Prompts]:
     """The train and held-out prompts of a recipe config (the held-out set is empty without a test split)."""
     train_ds, test_ds = load_splits(cfg)
     splits = []
-    for ds, source in ((train_ds, cfg.dataset_name), (test_ds, f"{cfg.dataset_name}[{cfg.dataset_test_split}]")):
+    for ds, source in ((train_ds, cfg.train_source), (test_ds, cfg.test_source)):
         rows = list(ds) if ds is not None else []
         splits.append(Prompts(rows, load_prompts(rows, tokenizer, cfg.max_prompt_length, source)))
     return splits[0], splits[1]

@@ -9,21 +9,24 @@ from dataclasses import replace
 import torch
 
 from verl_kit.algos.evaluation import pass_at_k
+from verl_kit.data.datasets import SOURCE, source_metrics
 from verl_kit.metrics import progress
 from verl_kit.rollout.types import Prompts, Rollout, SamplingParams, Scores, select_rows
 from verl_kit.train.distributed import Tally, reduce_metrics, shard
 
 
-def rollout_metrics(ro: Rollout, scored: Scores, step_seconds: float, environments: tuple[str, ...] = ()
-                    ) -> dict:
+def rollout_metrics(ro: Rollout, scored: Scores, step_seconds: float, environments: tuple[str, ...] = (),
+                    data_sources: list[str] = ()) -> dict:
     """reward/*, response_length/* and perf/tokens_per_s of a step's rollouts on all processes (collective); for
     multi-turn episodes also TRL's tools/call_frequency (tool calls per episode) and tools/failure_frequency (failed
     calls per call), episode/turns (assistant turns per episode) and episode/env_token_share (the response tokens the
     environment inserted), and per environment of the multi-environment form (`environments`, the same names on every
     process: Rollouts.environments) env/<name>/*. response_length counts the sampled tokens. Each reward source's own
     scores (`scored.sources`) as TRL's rewards/<name>/mean and rewards/<name>/std. The reward statistics are per
-    episode, the lengths per training sample (an --agent's episode may hold several)."""
+    episode, the lengths per training sample (an --agent's episode may hold several). With `data_sources` (the split's
+    data_source names, Prompts.sources): data/source_share/<name> and data/source_reward/<name> per episode."""
     lengths, scores = ro.response_mask.sum(-1), scored.total
+    episode_scores = ro.per_episode(scores).tolist() if data_sources else None
     sources = {"score": scores, **{f"rewards/{k}": v for k, v in scored.sources.items()}}
     sources = {k: ro.per_episode(v) for k, v in sources.items()}
     t = reduce_metrics({"n": len(ro.first_rows()), "rows": len(lengths), **{k: v.sum() for k, v in sources.items()},
@@ -38,7 +41,9 @@ def rollout_metrics(ro: Rollout, scored: Scores, step_seconds: float, environmen
             "response_length/mean": t["tokens"] / rows, "response_length/max": t["max_length"],
             "response_length/clip_ratio": t["truncated"] / rows,
             "perf/tokens_per_s": (t["tokens"] + t["prompt_tokens"]) / step_seconds,
-            **episode_metrics(ro, scores, environments)}
+            **episode_metrics(ro, scores, environments),
+            **(source_metrics([ro.rows[i].get(SOURCE) for i in ro.first_rows()], data_sources, episode_scores)
+               if data_sources else {})}
 
 
 def episode_metrics(ro: Rollout, scores: torch.Tensor, environments: tuple[str, ...] = ()) -> dict:

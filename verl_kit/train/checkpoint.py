@@ -29,7 +29,7 @@ import uuid
 import torch
 
 from verl_kit.config import DataConfig, ModelConfig, TrainConfig, flags_with_rule, resume_rules
-from verl_kit.data.datasets import split_fingerprint
+from verl_kit.data.datasets import train_fingerprint
 from verl_kit.durable import fsync_tree, replace_dir, write_failure
 from verl_kit.errors import UserError
 from verl_kit.models.loading import export_hf
@@ -336,8 +336,9 @@ def run_fingerprint(cfg: DataConfig, flags: dict, sharding: str = "none") -> dic
     whose field's resume rule is "checked" (config.Args.resume_checked; the "model" ones are checked on their own,
     the "free" ones not at all), JSON values, and `sharding` (Sharding.name: the backend that wrote the model and
     optimizer files)."""
-    return {"data": split_fingerprint(cfg.dataset_name, cfg.dataset_train_split, cfg.dataset_config),
-            "data_source": f"{cfg.dataset_name} {cfg.dataset_train_split}", "flags": json.loads(json.dumps(flags)),
+    source = (" + ".join(f"{d.path} {d.split}" for d in cfg.datasets) if cfg.datasets
+              else f"{cfg.dataset_name} {cfg.dataset_train_split}")
+    return {"data": train_fingerprint(cfg), "data_source": source, "flags": json.loads(json.dumps(flags)),
             "sharding": sharding}
 
 
