@@ -71,6 +71,9 @@ class DistillConfig(config.Config):
         if self.task_reward_coef and not mixable:
             raise UserError(f"--task_reward_coef {self.task_reward_coef} needs --loss_type reverse_kl, "
                             "--num_generations >= 2 and a --reward_fn (or --reward_model_name_or_path)")
+        if cfg.rollout.curriculum != "none" and not cfg.rewards.any:
+            raise UserError("--curriculum difficulty draws prompts by their solve rates: it needs a --reward_fn (or "
+                            "--reward_model_name_or_path)")
 
     @property
     def one_update(self) -> bool:
@@ -159,6 +162,7 @@ def main():
             scores = scored.total
             task_adv = (dist.task_reward_coef * algos.group_advantages(scores, dist.num_generations, False)
                         if dist.task_reward_coef else torch.zeros(B))
+        curriculum = rollouts.observe(ro, scored)  # --curriculum: the solve rates the next draws follow
 
         # 3. the teacher's log-prob of every sampled token (reverse_kl; jsd needs its logits, in the update below)
         #    and, with several updates per rollout, the student's old log-probs
@@ -215,7 +219,7 @@ def main():
                    "teacher_kl": t["teacher_kl"] / t["kl_tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("loss", "pg_clipfrac", "approx_kl", "entropy")},
                    **actor.metrics(grad_norms), "rollout/staleness": staleness, **algos.step_metrics(t),
-                   **timer.seconds, **sync_metrics, **entropy_metrics}
+                   **curriculum, **timer.seconds, **sync_metrics, **entropy_metrics}
         if not reward:
             metrics = {k: v for k, v in metrics.items() if not k.startswith("reward/")}
         if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,

@@ -154,6 +154,7 @@ def main():
         # 2. rewards (each response against its dataset row, ro.rows) and group-relative advantages (B,)
         with timer("reward"):
             scored = reward.of_rollout(ro)
+        curriculum = rollouts.observe(ro, scored)  # --curriculum: the solve rates the next draws follow
         sampled = {}  # --dynamic_sampling (DAPO): flat groups dropped, further batches generated to fill the step
         if grpo.dynamic_sampling:
             with timer("dynamic_sampling"):
@@ -229,7 +230,8 @@ def main():
                    "reward/frac_zero_std": t["flat_groups"] / t["groups"], "kl": t["kl"] / tokens,
                    **{f"actor/{k}": t[k] / tokens for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
                    **actor.metrics(grad_norms), "rollout/staleness": staleness, **algos.step_metrics(t),
-                   **reward.metrics(), **sampled, **timer.seconds, **sync_metrics, **entropy_metrics}
+                   **reward.metrics(), **sampled, **curriculum, **timer.seconds, **sync_metrics,
+                   **entropy_metrics}
         if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,
                         evaluate if held_out.ids else None):  # a logging step: a few samples beside the metrics
             log.log_samples(rollout.sample_rows(step + 1, ro, scored.total, tokenizer))

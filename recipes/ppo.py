@@ -129,6 +129,7 @@ def main():
         with timer("reward"):
             scored = reward.of_rollout(ro)
             scores = scored.total
+        curriculum = rollouts.observe(ro, scored)  # --curriculum: the solve rates the next draws follow
 
         # 3. old log-probs (the actor before this update), reference log-probs and values
         lengths = mask.sum(-1)
@@ -198,8 +199,8 @@ def main():
                    "critic/grad_norm": sum(grad_norms["critic"]) / len(grad_norms["critic"]),
                    **rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments,
                                            prompts.sources),
-                   "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(), **timer.seconds,
-                   **sync_metrics}
+                   "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(), **curriculum,
+                   **timer.seconds, **sync_metrics}
         if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,
                         evaluate if held_out.ids else None):  # a logging step: a few samples beside the metrics
             log.log_samples(rollout.sample_rows(step + 1, ro, scores, tokenizer))

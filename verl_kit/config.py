@@ -368,7 +368,8 @@ class RolloutConfig(Config):
     generated ahead of the trainer (`--async_rollout`) and the held-out evaluation's sampling. A step is
     `prompts_per_step` prompts over all processes; the recipe's own class says how many responses each gets."""
 
-    CHOICES: ClassVar[dict] = {"rollout": tuple(ROLLOUT_BACKENDS)}  # the one list of backend names
+    CHOICES: ClassVar[dict] = {"rollout": tuple(ROLLOUT_BACKENDS),  # the one list of backend names
+                               "curriculum": ("none", "difficulty")}
     RESUME: ClassVar[dict] = dict.fromkeys(("rollout_timeout_s", "num_generations_eval", "pass_threshold"), "free")
 
     rollout: str = field(default="hf", metadata={
@@ -390,11 +391,23 @@ class RolloutConfig(Config):
         "help": "held-out evaluation: responses sampled per prompt; above 1 also logs eval/pass@k for k = 1, 2, "
                 "4, ... <= n (unbiased estimator, Chen et al. 2021)"})
     pass_threshold: float = field(default=1.0, metadata={
-        "help": "eval/pass@k: a response passes when its reward is >= this"})
+        "help": "eval/pass@k and --curriculum: a response passes when its reward is >= this"})
+    curriculum: str = field(default="none", metadata={
+        "help": "difficulty: draw each step's prompts by their last solve rate (verl_kit.rollout.curriculum): weight 1 "
+                "for unseen and partly solved prompts, --curriculum_easy_weight for those every sample passed, "
+                "--curriculum_hard_weight for those none passed; none: the seeded order of the split"})
+    curriculum_easy_weight: float = field(default=0.1, metadata={
+        "help": "--curriculum difficulty: draw weight of a prompt every sample passed last time (others: 1)"})
+    curriculum_hard_weight: float = field(default=0.1, metadata={
+        "help": "--curriculum difficulty: draw weight of a prompt no sample passed last time (others: 1)"})
 
     def __post_init__(self):
         super().__post_init__()
         self.at_least(1, "prompts_per_step", "max_completion_length", "num_generations_eval")
+        for name in ("curriculum_easy_weight", "curriculum_hard_weight"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise UserError(f"--{name} {getattr(self, name)}: use a positive weight (1 draws such prompts as "
+                                "often as the others)")
         self.at_least(0, "max_staleness")
         if self.async_rollout and self.backend.shares_trainer_process:
             apart = " or ".join(n for n, b in ROLLOUT_BACKENDS.items() if not b.shares_trainer_process)

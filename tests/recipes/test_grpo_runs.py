@@ -61,7 +61,7 @@ def _zero3(out, *extra):
         "--prompts_per_step", "8", "--num_iterations", "2", "--num_mini_batches", "2", "--max_tokens_per_microbatch",
         "200", "--loss_type", "grpo", "--dynamic_sampling", "--max_num_gen_batches", "3",
         "--environment_factory", "examples/environments.py:KindFeedback", "--max_completion_length", "24",
-        "--dataset_test_split", "test[:32]", *extra])
+        "--dataset_test_split", "test[:32]", "--curriculum", "difficulty", "--pass_threshold", "0.25", *extra])
 
 
 @pytest.mark.slow
@@ -70,9 +70,10 @@ def test_grpo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path
     recomputed), token-budget micro-batches, per-response loss means (`--loss_type grpo`), every sample a
     multi-turn episode of the example feedback environment (docs/environments.md), DAPO's dynamic sampling (the
     random model's groups mostly score all 0: flat ones are dropped and up to 2 more batches of episodes generated,
-    each rank keeping as many groups as the other). Run A goes straight to step 4; run B is SIGKILLed once
-    checkpoint-2 is complete and resumed with `auto`: its final weights equal A's bit for bit, and so do the metrics
-    of steps 3-4."""
+    each rank keeping as many groups as the other), prompts drawn by the difficulty curriculum (the solve rates of
+    every batch, dynamic sampling's further ones included, observed on both ranks; the table in the checkpoint). Run
+    A goes straight to step 4; run B is SIGKILLed once checkpoint-2 is complete and resumed with `auto`: its final
+    weights equal A's bit for bit, and so do the metrics of steps 3-4."""
     a, b = tmp_path / "a", tmp_path / "b"
     assert_resume_bit_identical(_zero3, a, b, 2, compare_steps=(3, 4), ignore=("learning_rate",))
     wa, w0 = load_weights(a / "final"), load_weights(tiny_model_path)
@@ -87,6 +88,8 @@ def test_grpo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path
         assert r["rollout/groups_kept"] <= 8 and r["rollout/gen_batches"] <= 3
         assert r["reward/frac_zero_std"] == 0 or r["rollout/groups_kept"] == 0
         assert r["episode/turns"] >= 1
+    seen = [r["curriculum/seen"] for r in ra]  # every batch's prompts enter the table
+    assert seen == sorted(seen) and seen[-1] > seen[0] > 0 and ra[-1]["curriculum/hard"] > 0, ra
 
 
 def _grpo_launch(config, out, *extra):

@@ -40,6 +40,7 @@ from verl_kit.config import EnvironmentConfig, RolloutConfig, TrainConfig, VLLMC
 from verl_kit.errors import UserError
 from verl_kit.rollout.agents import make_agent_episodes
 from verl_kit.rollout.backends import make_backend, start_servers
+from verl_kit.rollout.curriculum import DifficultyCurriculum
 from verl_kit.rollout.episodes import SingleTurn, make_episodes
 from verl_kit.rollout.prompts import evaluate
 from verl_kit.rollout.types import EpisodeRunner, Prompts, Rollout, SamplingParams, Scores, concat_rollouts, select_rows
@@ -57,12 +58,14 @@ class Rollouts:
     rollout.types.EpisodeRunner that plays the episodes over its `engine` (a RolloutBackend, synced by load_weights);
     `servers`: the vLLM servers the run started, stopped by close(); `eval_params`: the held-out evaluation's sampling;
     `pass_threshold`: the score a held-out response passes at; `max_failed_steps`: steps in a row whose every
-    episode failed (on every process) after which get() stops the run in one line (0: never)."""
+    episode failed (on every process) after which get() stops the run in one line (0: never); `curriculum`: the
+    --curriculum table `request` draws from (observe() feeds it), saved with the batches."""
 
     def __init__(self, runner: EpisodeRunner, split: Prompts,
                  request: Callable[[int, int], tuple[list[int], SamplingParams]], total_steps: int,
                  max_staleness: int | None = None, timeout_s: float = 1800, servers: Sequence[ServerProcess] = (),
-                 eval_params: SamplingParams | None = None, pass_threshold: float = 1.0, max_failed_steps: int = 0):
+                 eval_params: SamplingParams | None = None, pass_threshold: float = 1.0, max_failed_steps: int = 0,
+                 curriculum: DifficultyCurriculum | None = None):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness {max_staleness}: use >= 0")
         self.runner = runner
@@ -70,6 +73,7 @@ class Rollouts:
         self.servers, self.eval_params, self.pass_threshold = list(servers), eval_params, pass_threshold
         self.ahead, self.timeout_s = max_staleness, timeout_s
         self.max_failed_steps, self.failed_steps = max_failed_steps, 0
+        self.curriculum = curriculum
         self.version = 0  # of the weights the engine has
         self.batches: dict[int, tuple[Future, int]] = {}  # step -> (its rollout, the version that generates it)
         self._jobs: queue.Queue = queue.Queue()
@@ -145,6 +149,15 @@ class Rollouts:
         idx, params = self.request(step, k)
         return self._wait(self._call(self._generate, self.split, idx, params), f"batch {k} of step {step}")
 
+    def observe(self, ro: Rollout, scored: Scores) -> dict:
+        """--curriculum: record a scored batch of the train split in the table (collective: every process, once per
+        batch, the step's own and each further one); its curriculum/* metrics. {} without a curriculum."""
+        if self.curriculum is None:
+            return {}
+        first = ro.first_rows()
+        self.curriculum.observe([ro.prompt_index[i] for i in first], ro.per_episode(scored.total))
+        return self.curriculum.metrics()
+
     @property
     def environments(self) -> tuple[str, ...]:
         """The environments' names of a multi-environment run (rollout_metrics' env/<name>/*), else ()."""
@@ -183,9 +196,14 @@ class Rollouts:
         for step, (future, version) in self.batches.items():
             ro = self._wait(future, f"the rollout of step {step}")
             out[step] = {"version": version, **ro.state_dict()}
-        return {"batches": out}
+        return {"batches": out, **({"curriculum": self.curriculum.state_dict()} if self.curriculum else {})}
 
     def load_state_dict(self, state: dict) -> None:
+        if self.curriculum is not None:
+            if "curriculum" not in state:
+                raise UserError("--curriculum difficulty: the checkpoint has no curriculum state (saved by a run "
+                                "without one)")
+            self.curriculum.load_state_dict(state["curriculum"])
         for step, b in state["batches"].items():
             ro = Rollout.from_state_dict(b)
             if ro.rows is None and ro.prompt_index is not None:  # saved before the batch carried its dataset rows
@@ -214,6 +232,7 @@ def dynamic_sampling(rollouts: Rollouts, step: int, first: Rollout, scored: Scor
         ro = rollouts.more(step, len(batches))
         batches.append(ro)
         all_scores.append(score(ro))
+        rollouts.observe(ro, all_scores[-1])
         informative = torch.cat([informative, informative_groups(ro.per_episode(all_scores[-1].total), group_size)])
     take = min(fewest, target)
     if take < target:
@@ -264,13 +283,20 @@ def make_rollouts(accelerator, actor, tokenizer, split: Prompts, *, rollout: Rol
     def seed(step: int, k: int = 0) -> int | None:
         return step_seed(train.seed + k, step, rank) if backend.per_sample_seeds else None
 
+    curriculum = (DifficultyCurriculum(len(split.ids), cfg.curriculum_easy_weight, cfg.curriculum_hard_weight,
+                                       cfg.pass_threshold) if cfg.curriculum == "difficulty" else None)
+
     def request(step: int, k: int):
         # batch k >= 1 of a step (--dynamic_sampling) reads the prompts of another seeded order of the split: the
         # step's own batch (k = 0) stays what it is without the flag, and every batch is a function of (step, k)
-        idx = step_indices(len(split.ids), step, cfg.prompts_per_step, train.seed + k, rank, world)
+        # (and, with --curriculum, of the solve rates observed when it is asked for)
+        if curriculum is not None:
+            idx = curriculum.indices(step, cfg.prompts_per_step, train.seed + k, rank, world)
+        else:
+            idx = step_indices(len(split.ids), step, cfg.prompts_per_step, train.seed + k, rank, world)
         return idx, replace(sampling, seed=seed(step, k))
 
     return Rollouts(runner, split, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
                     cfg.rollout_timeout_s, servers=servers, pass_threshold=cfg.pass_threshold,
                     eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)),
-                    max_failed_steps=env_cfg.max_failed_steps if env_cfg is not None else 0)
+                    max_failed_steps=env_cfg.max_failed_steps if env_cfg is not None else 0, curriculum=curriculum)

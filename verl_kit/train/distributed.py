@@ -91,6 +91,16 @@ def global_quantile(values: torch.Tensor, q: float) -> float:
     return float(torch.quantile(local, q)) if len(local) else math.nan
 
 
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """The element-wise sum of `t` over all processes (collective), on the CPU; `t` itself with one process."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        return t
+    out = t.to(_collective_device())
+    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM)
+    return out.cpu()
+
+
 def all_reduce_max(value: float) -> float:
     """The max of `value` over all processes, so that every process takes the same decision."""
     return reduce_metrics({}, {"v": value})["v"]
