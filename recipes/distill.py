@@ -106,6 +106,11 @@ def main():
     prompts, held_out = data.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
+    # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
+    rows = [len(p) + cfg.rollout.max_completion_length for p in prompts.ids]  # a sample's tokens at most
+    memory = train.plan_memory(accelerator, cfg.train, model_path, rows,
+                               frozen=(models.resolve_model_path(dist.teacher_model_name_or_path),),
+                               rollout=cfg.rollout, vllm=cfg.vllm)
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
     actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)  # the student
     # frozen, ZeRO-3 sharded like a reference; its tokenizer checked to be the student's (one line otherwise)
@@ -142,7 +147,7 @@ def main():
         return m if reward else {k: v for k, v in m.items() if not k.startswith(("eval/reward", "eval/pass@"))}
 
     if start == 0 and held_out.ids:
-        log.log(0, evaluate())
+        log.log(0, {**memory.metrics(), **evaluate()})
 
     # ---- training loop -------------------------------------------------------------------------------------------
     actor.model.train()  # for gradient checkpointing (evaluation and the probe put it back after their eval mode)

@@ -105,6 +105,8 @@ def main():
     items = lambda exs: [train.completion_sequences(e.prompt_ids, [e.chosen_ids, e.rejected_ids]) for e in exs]
     lengths = lambda exs: torch.tensor([[len(e.chosen_ids), len(e.rejected_ids)] for e in exs], dtype=torch.float32)
 
+    # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
+    memory = train.plan_memory(accelerator, tc, model_path, [e.cost for e in pairs])
     model = models.load_policy(model_path, tc)  # with its LoRA adapter when --use_peft
     block_mask = models.uses_block_mask(model)
     per_step = tc.per_device_train_batch_size * tc.gradient_accumulation_steps * world  # pairs per optimizer step
@@ -136,7 +138,7 @@ def main():
                 "eval/rewards/margin": (rewards[:, 0] - rewards[:, 1]).mean().item()}
 
     if start == 0:
-        log.log(0, {**policy.size_metrics(), "pairs/train": len(pairs), "pairs/test": len(test),
+        log.log(0, {**policy.size_metrics(), **memory.metrics(), "pairs/train": len(pairs), "pairs/test": len(test),
                     **(evaluate() if test else {})})
 
     # ---- training loop -------------------------------------------------------------------------------------------

@@ -112,6 +112,11 @@ def main():
     prompts, held_out = data.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
+    # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
+    rows = [len(p) + cfg.rollout.max_completion_length for p in prompts.ids]  # a sample's tokens at most
+    memory = train.plan_memory(accelerator, cfg.train, model_path, rows,
+                               frozen=(model_path,) if grpo.beta and not cfg.train.use_peft else (),
+                               rollout=cfg.rollout, vllm=cfg.vllm)
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
     actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)
     # the initial policy; with --use_peft the actor itself with its adapter disabled (no second copy of the weights)
@@ -140,7 +145,7 @@ def main():
         return rollouts.evaluate(accelerator, held_out, reward.of_rollout, cfg.rollout.prompts_per_step // world)
 
     if start == 0 and held_out.ids:
-        log.log(0, evaluate())
+        log.log(0, {**memory.metrics(), **evaluate()})
 
     # ---- training loop -------------------------------------------------------------------------------------------
     actor.model.train()  # for gradient checkpointing (evaluation and the probe put it back after their eval mode)

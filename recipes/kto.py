@@ -97,6 +97,9 @@ def main():
                        "%d undesirable) is outside [1, 4/3], the range the KTO paper recommends; adjust "
                        "--desirable_weight / --undesirable_weight", balance, n_d, n_u)
 
+    # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
+    costs = [2 * len(e.prompt_ids) + 2 * len(e.completion_ids) for e in examples]  # target and KL sequence
+    memory = train.plan_memory(accelerator, tc, model_path, costs)
     model = models.load_policy(model_path, tc)  # with its LoRA adapter when --use_peft
     block_mask = models.uses_block_mask(model)
     per_step = tc.per_device_train_batch_size * tc.gradient_accumulation_steps * world  # examples per step
@@ -129,7 +132,7 @@ def main():
                 "eval/rewards/undesirable": kto.beta * logratio[~y, 0].mean().item()}
 
     if start == 0 and test:
-        log.log(0, evaluate())
+        log.log(0, {**memory.metrics(), **evaluate()})
 
     # ---- training loop -------------------------------------------------------------------------------------------
     policy.model.train()

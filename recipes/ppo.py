@@ -78,10 +78,17 @@ def main():
     prompts, held_out = data.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn, checkpointing = cfg.train.attn_implementation, cfg.train.gradient_checkpointing
-    policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
-    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)
     critic_path = (model_path if ppo.critic_init == "policy"
                    else models.resolve_model_path(cfg.rewards.reward_model_name_or_path))
+    # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
+    rows = [len(p) + cfg.rollout.max_completion_length for p in prompts.ids]  # a sample's tokens at most
+    reward_model = cfg.rewards.reward_model_name_or_path
+    memory = train.plan_memory(accelerator, cfg.train, model_path, rows, trained_extra=(critic_path,),
+                               frozen=(() if cfg.train.use_peft else (model_path,))
+                               + ((models.resolve_model_path(reward_model),) if reward_model else ()),
+                               rollout=cfg.rollout, vllm=cfg.vllm)
+    policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
+    actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)
     critic_model = train.CriticModel.from_pretrained(critic_path, ppo.critic_init, attn, checkpointing)
     critic_model.backbone = models.with_lora(critic_model.backbone, cfg.train, task_type=None)  # its own adapter
     critic = train.Trainable(accelerator, models.without_dropout(critic_model), cfg.train, ppo.critic_learning_rate,
@@ -112,7 +119,7 @@ def main():
         return rollouts.evaluate(accelerator, held_out, reward.of_rollout, cfg.rollout.prompts_per_step // world)
 
     if start == 0 and held_out.ids:
-        log.log(0, evaluate())
+        log.log(0, {**memory.metrics(), **evaluate()})
 
     # ---- training loop -------------------------------------------------------------------------------------------
     actor.model.train()  # for gradient checkpointing (evaluation and the probe put it back after their eval mode)

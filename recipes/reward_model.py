@@ -57,6 +57,8 @@ def main():
     items = lambda exs: [train.completion_sequences(e.prompt_ids, [e.chosen_ids, e.rejected_ids]) for e in exs]
     center = cfg.reward_model.center_rewards_coefficient or 0.0
 
+    # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
+    memory = train.plan_memory(accelerator, tc, model_path, [e.cost for e in pairs])
     model = rewards.load_reward_classifier(model_path, pad, tc.attn_implementation, tc.gradient_checkpointing,
                                            tc.load_in_4bit)
     model.classifier = models.with_lora(model.classifier, tc, task_type="SEQ_CLS")  # --use_peft: adapter, trained head
@@ -77,7 +79,7 @@ def main():
                 "eval/rewards/margin": (r[:, 0] - r[:, 1]).mean().item(), "eval/rewards/mean": r.mean().item()}
 
     if start == 0:
-        log.log(0, {**rm.size_metrics(), "pairs/train": len(pairs), "pairs/test": len(test),
+        log.log(0, {**rm.size_metrics(), **memory.metrics(), "pairs/train": len(pairs), "pairs/test": len(test),
                     **(evaluate() if test else {})})
 
     # ---- training loop -------------------------------------------------------------------------------------------

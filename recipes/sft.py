@@ -67,6 +67,8 @@ def main():
     items = lambda exs: [([e.input_ids], [e.loss_mask]) for e in exs]  # one scored sequence per example
     learned = lambda exs: sum(sum(e.loss_mask) for e in exs)
 
+    # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
+    memory = train.plan_memory(accelerator, tc, model_path, [len(e.input_ids) for e in examples])
     model = models.load_policy(model_path, tc)  # with its LoRA adapter when --use_peft
     block_mask = models.uses_block_mask(model)
     per_step = tc.per_device_train_batch_size * tc.gradient_accumulation_steps * world  # sequences per step
@@ -84,7 +86,7 @@ def main():
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
     if start == 0:
-        log.log(0, {**policy.size_metrics(), "sequences/train": len(examples),
+        log.log(0, {**policy.size_metrics(), **memory.metrics(), "sequences/train": len(examples),
                     "sequences/test": len(test), "learned_tokens/train": learned(examples),
                     **(evaluate() if test else {})})
 

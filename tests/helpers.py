@@ -215,8 +215,9 @@ def load_weights(path) -> dict:
 # ---- one home for the SIGKILL -> `--resume_from_checkpoint auto` -> bit-identical scenario -------------------------
 
 def _wall_clock(key: str) -> bool:
-    """Metrics that depend on the clock or the machine, not on the run's numbers."""
-    return key == "elapsed_s" or key.startswith(("timing_s/", "perf/", "sync/sec", "sync/bytes_"))
+    """Metrics that depend on the clock or the machine, not on the run's numbers (the memory plan counts the process's
+    resident size and the machine's free memory)."""
+    return key == "elapsed_s" or key.startswith(("timing_s/", "perf/", "sync/sec", "sync/bytes_", "memory/"))
 
 
 def numbers(output_dir, ignore: tuple[str, ...] = ()) -> dict[int, dict]:

@@ -225,7 +225,7 @@ class BatchConfig(Config):
     token budget per pass. The same sums either way, so a resume may change any of them but the batch size."""
 
     RESUME: ClassVar[dict] = dict.fromkeys(("per_device_eval_batch_size", "packing", "packing_length",
-                                            "max_tokens_per_microbatch"), "free")
+                                            "max_tokens_per_microbatch", "memory_limit_gib"), "free")
 
     per_device_train_batch_size: int = field(default=8, metadata={"help": "examples per process per micro-step"})
     per_device_eval_batch_size: int = field(default=16, metadata={
@@ -237,10 +237,15 @@ class BatchConfig(Config):
                 "longer row costs its tokens, not their square (docs/memory.md)"})
     max_tokens_per_microbatch: int | None = field(default=None, metadata={
         "help": "token budget per forward pass; splits each step's examples by tokens instead of by count"})
+    memory_limit_gib: float | None = field(default=None, metadata={
+        "help": "GiB each training process may use, for the memory plan at start (docs/memory.md); default: the "
+                "machine's, the cgroup's and the rlimits' smallest, shared by the node's processes"})
 
     def __post_init__(self):
         super().__post_init__()
         self.at_least(1, "per_device_train_batch_size", "packing_length")
+        if self.memory_limit_gib is not None and not self.memory_limit_gib > 0:
+            raise UserError(f"--memory_limit_gib {self.memory_limit_gib}: use a positive number of GiB")
 
 
 @dataclass

@@ -56,6 +56,8 @@ from verl_kit.train.lm_head import (
     sequence_logprobs,
     token_logprobs,
 )
+from verl_kit.train.memory_plan import MemoryPlan
+from verl_kit.train.memory_plan import plan as plan_memory
 from verl_kit.train.output_dir import STATE_FILE, check_output_dir, list_checkpoints
 from verl_kit.train.preemption import StopSignal
 from verl_kit.train.scoring import Sequences, completion_sequences, make_batch, score_items, score_subset

@@ -1,0 +1,263 @@
+"""The memory plan: before a run loads any weights or starts an engine, what each term of a step will take, against
+the memory the run may use (docs/memory.md). Computed, not measured: from the models' configs (parameters counted on
+the meta device, no weights read), the flags, the sharding and world size, and the data's lengths (the largest
+micro-batch the run can form); the measured peak is logged beside it on every row (`perf/peak_rss_gib`). No
+calibration forward: a plan is ready before the first weight is read, in well under a second.
+
+The terms, per process (fp32 unless said):
+
+    model state        trained parameters x 16 B (weights 4, gradients 4, AdamW moments 8), divided by the processes
+                       under ZeRO-3 and FSDP2 (ZeRO-1/2: the moments, and gradients at 2); a LoRA run holds its frozen
+                       base at 4 B per parameter and trains the adapter's
+    frozen models      reference, teacher, reward model: 4 B per parameter, sharded like the state under ZeRO-3/FSDP2
+    activations        the largest micro-batch's tokens x layers x (10 x hidden + 4 x MLP width) x 4 B kept for the
+                       backward (half under bf16); with gradient checkpointing one hidden state per layer
+                       (hidden x 4 B) plus one layer's activations during its recomputation
+    LM-head tiles      one logits tile (at most 4096 positions x 4096 columns, fp32) and two temporaries of its size
+                       (train.lm_head)
+    rollout engine     HF generate: a plain copy of the policy (4 B per parameter) and its KV cache; a colocated vLLM
+                       engine (other processes of this node, counted against the same memory): its weights, its KV
+                       cache (--vllm_kv_cache_gib on CPU) and ~1.5 GiB of its own processes
+    this process       what the process holds when the plan is made (Python, torch and the libraries: its resident
+                       size now)
+
+The memory the run may use: on CUDA the device's free memory (torch.cuda.mem_get_info; a colocated engine's
+--vllm_gpu_memory_utilization taken out; unmeasured on this project's CPU machines); on CPU the smallest of
+MemAvailable, the cgroup's limit (v2 memory.max, v1 memory.limit_in_bytes: a container's limit, not the host's) and
+RLIMIT_AS / RLIMIT_DATA where set, shared by the node's local processes; --memory_limit_gib sets it by hand. A plan
+above the hard limits (the machine's memory or the cgroup's, an rlimit, --memory_limit_gib) is refused in one line
+naming its largest term and the flags that move it; above what is available now (other processes hold the rest) it is
+one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+from dataclasses import dataclass, field
+
+import torch
+
+from verl_kit.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+GIB = 2 ** 30
+TILE = 4096  # train.lm_head's tile: at most 4096 positions x 4096 vocabulary columns, fp32, and two temporaries
+ENGINE_PROCESS_BYTES = int(1.5 * GIB)  # a CPU vLLM engine's core and worker beyond its weights and KV cache
+
+
+def meta_model(model_path: str):
+    """The causal LM at `model_path` built on the meta device (its config read, no weight)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    model.tie_weights()  # a tied output layer is the input embedding: counted once
+    return model
+
+
+def parameter_count(model_path: str) -> int:
+    """Parameters of the causal LM at `model_path`, counted on the meta device (tied weights once)."""
+    return sum(p.numel() for p in meta_model(model_path).parameters())
+
+
+def adapter_count(model, rank: int, targets: str | None) -> int:
+    """Parameters of a rank-`rank` LoRA adapter on `model`'s linear layers named by `targets` (comma-separated last
+    names; None or all-linear: every linear layer but the output layer): rank x (inputs + outputs) each."""
+    names = None if targets in (None, "", "all-linear") else {t.strip() for t in targets.split(",")}
+    out_layer = model.get_output_embeddings()
+    return sum(rank * (m.in_features + m.out_features) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and (n.rsplit(".", 1)[-1] in names if names else m is not out_layer))
+
+
+def activation_bytes(config, tokens: int, checkpointing: bool, bf16: bool) -> int:
+    """What a micro-batch of `tokens` keeps for its backward (module docstring)."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    mlp = getattr(config, "intermediate_size", None) or 4 * hidden
+    width = 2 if bf16 else 4
+    per_layer = (10 * hidden + 4 * mlp) * width
+    if checkpointing:
+        return tokens * (layers * hidden * 4 + per_layer)
+    return tokens * layers * per_layer
+
+
+def largest_microbatch(costs: list[int], per_device: int, max_tokens: int | None) -> int:
+    """Tokens of the largest micro-batch a run can form from items of `costs` tokens: the `per_device` longest items,
+    or at most `max_tokens` (--max_tokens_per_microbatch: never below the longest item)."""
+    longest = sorted(costs, reverse=True)
+    tokens = sum(longest[:per_device])
+    if max_tokens:
+        tokens = max(min(tokens, max_tokens), longest[0] if longest else 0)
+    return tokens
+
+
+@dataclass
+class Budget:
+    """The memory a process may use: `limit` (GiB, hard: beyond it the run cannot fit on an idle machine) and
+    `available` (GiB, now), with what each came from."""
+
+    limit: float
+    available: float
+    sources: dict[str, float] = field(default_factory=dict)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def cgroup_limit() -> float | None:
+    """This process's cgroup memory limit in bytes (v2 memory.max, else v1 memory.limit_in_bytes), None if unlimited."""
+    own = _read("/proc/self/cgroup") or ""
+    paths = [line.split(":", 2)[2] for line in own.splitlines() if line.count(":") >= 2]
+    for rel in paths:
+        for path in (f"/sys/fs/cgroup{rel}/memory.max", "/sys/fs/cgroup/memory.max",
+                     f"/sys/fs/cgroup/memory{rel}/memory.limit_in_bytes",
+                     "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+            value = _read(path)
+            if value and value != "max" and value.isdigit() and int(value) < 1 << 60:
+                return float(value)
+    return None
+
+
+def budget(local_processes: int, memory_limit_gib: float | None, gpu_engine_share: float = 0.0) -> Budget:
+    """The run's memory per process (module docstring). `local_processes`: the node's training processes sharing
+    it; `gpu_engine_share`: the fraction of a GPU a colocated engine takes (--vllm_gpu_memory_utilization)."""
+    if memory_limit_gib is not None:
+        return Budget(memory_limit_gib, memory_limit_gib, {"--memory_limit_gib": memory_limit_gib})
+    if torch.cuda.is_available():  # unmeasured here: no GPU ran this path
+        free, total = torch.cuda.mem_get_info()
+        usable = (free - gpu_engine_share * total) / GIB
+        return Budget(total * (1 - gpu_engine_share) / GIB, usable, {"cuda free": free / GIB})
+    meminfo = dict(line.split(":", 1) for line in (_read("/proc/meminfo") or "").splitlines() if ":" in line)
+    kib = lambda k: float(meminfo[k].split()[0]) * 1024 if k in meminfo else None  # noqa: E731
+    hard = {"MemTotal": kib("MemTotal"), "cgroup": cgroup_limit()}
+    for name, which in (("RLIMIT_AS", resource.RLIMIT_AS), ("RLIMIT_DATA", resource.RLIMIT_DATA)):
+        soft = resource.getrlimit(which)[0]
+        if soft != resource.RLIM_INFINITY:
+            hard[name] = float(soft) * local_processes  # a limit of each process
+    hard = {k: v / GIB for k, v in hard.items() if v}
+    available = (kib("MemAvailable") or 0) / GIB
+    limit = min(hard.values()) if hard else available
+    return Budget(limit / local_processes, min(available, limit) / local_processes,
+                  {**hard, "MemAvailable": available})
+
+
+@dataclass
+class MemoryPlan:
+    """The plan's terms (GiB per process; `engine` the colocated engine's, in other processes) and its budget."""
+
+    terms: dict[str, float]
+    notes: dict[str, str]
+    budget: Budget
+    local_processes: int
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    def table(self) -> str:
+        rows = [f"  {name:<16} {gib:7.2f} GiB  {self.notes.get(name, '')}" for name, gib in self.terms.items()]
+        src = ", ".join(f"{k} {v:.1f}" for k, v in self.budget.sources.items())
+        return ("memory plan per training process (computed from the configs, the flags and the data's lengths; the "
+                "measured peak is perf/peak_rss_gib):\n" + "\n".join(rows) +
+                f"\n  {'total':<16} {self.total:7.2f} GiB  of {self.budget.available:.2f} GiB available now, "
+                f"{self.budget.limit:.2f} GiB at most ({src} GiB; {self.local_processes} process(es) on this node)")
+
+    def metrics(self) -> dict[str, float]:
+        return {**{f"memory/plan_{k.replace(' ', '_')}_gib": round(v, 4) for k, v in self.terms.items()},
+                "memory/plan_total_gib": round(self.total, 4), "memory/limit_gib": round(self.budget.limit, 4)}
+
+    def check(self) -> None:
+        """Refuse a plan above the hard limit in one line; warn above what is available now."""
+        largest = max(self.terms, key=self.terms.get)
+        if self.total > self.budget.limit:
+            term = f"{largest} ({self.terms[largest]:.1f} GiB: {self.notes.get(largest, '')})"
+            raise UserError(f"this run needs about {self.total:.1f} GiB per process and may use "
+                            f"{self.budget.limit:.1f} GiB (docs/memory.md); its largest term is {term}: "
+                            f"{MOVES.get(largest, '')}; or set --memory_limit_gib")
+        if self.total > self.budget.available:
+            logger.warning("memory plan: %.1f GiB per process, %.1f GiB available now (other processes hold the "
+                           "rest): the run may be killed; largest term %s (%.1f GiB)", self.total,
+                           self.budget.available, largest, self.terms[largest])
+
+
+MOVES = {
+    "model state": "--use_peft, or ZeRO-3 / FSDP2 over more processes (accelerate_configs/zero3.yaml)",
+    "frozen models": "ZeRO-3 / FSDP2 over more processes shard them; --use_peft makes the reference the base model",
+    "activations": "--gradient_checkpointing true, a smaller --max_tokens_per_microbatch or "
+                   "--per_device_train_batch_size, shorter --max_length",
+    "LM-head tiles": "nothing to set",
+    "rollout engine": "--vllm_kv_cache_gib, --rollout vllm-server (the engine on other processes or hosts)",
+    "this process": "nothing to set",
+}
+
+
+def plan(accelerator, tc, model_path: str, costs: list[int], *, frozen: tuple[str, ...] = (),
+         trained_extra: tuple[str, ...] = (), rollout=None, vllm=None) -> MemoryPlan:
+    """The plan of a run: `tc` its TrainConfig (the micro-batch, checkpointing, LoRA, bf16 flags), `model_path` the
+    trained policy, `costs` the tokens of each item a micro-batch is made of (a sequence; a preference pair's two),
+    `frozen` the paths of frozen models (reference, teacher, reward model), `trained_extra` other trained models (a
+    critic), `rollout` and `vllm` an online recipe's RolloutConfig and VLLMConfig (the backend; a colocated engine's
+    KV cache or GPU share). Logs the table on the main process, then refuses what cannot fit (MemoryPlan.check)."""
+    engine = rollout.rollout if rollout is not None else "none"
+    kv_cache_gib = vllm.vllm_kv_cache_gib if vllm is not None else 0.0
+    gpu_engine_share = vllm.vllm_gpu_memory_utilization if engine == "vllm" and torch.cuda.is_available() else 0.0
+    world = accelerator.num_processes
+    name = accelerator.sharding.name
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    policy = meta_model(model_path)
+    n_policy, config = sum(p.numel() for p in policy.parameters()), policy.config
+    sharded = name in ("zero3", "fsdp2")
+    lora = getattr(tc, "use_peft", False)
+    adapter = adapter_count(policy, tc.lora_r, tc.lora_target_modules) if lora else 0
+    trained = [adapter if lora else n_policy] + [parameter_count(p) for p in trained_extra]
+    state_div = world if sharded else 1
+    per_param = 16 / state_div
+    if name in ("zero1", "zero2"):
+        per_param = 4 + (4 if name == "zero1" else 4 / world) + 8 / world
+    state = sum(trained) * per_param + (n_policy * 4 / state_div if lora else 0)
+    frozen_params = [parameter_count(p) for p in frozen]
+    frozen_bytes = sum(frozen_params) * 4 / state_div
+    bf16 = bool(getattr(tc, "bf16", False))
+    tokens = largest_microbatch(costs, tc.per_device_train_batch_size, tc.max_tokens_per_microbatch)
+    acts = activation_bytes(config, tokens, tc.gradient_checkpointing, bf16)
+    tile = 3 * min(tokens, TILE) * min(config.vocab_size, TILE) * 4
+    terms = {"model state": state / GIB, "frozen models": frozen_bytes / GIB, "activations": acts / GIB,
+             "LM-head tiles": tile / GIB}
+    notes = {"model state": f"{sum(trained) / 1e6:.1f}M trained x {per_param:g} B"
+                            + (f" + a {n_policy / 1e6:.0f}M frozen base" if lora else "") + f" ({name})",
+             "frozen models": f"{sum(frozen_params) / 1e6:.1f}M x {4 / state_div:g} B" if frozen else "none",
+             "activations": f"{tokens} tokens x {config.num_hidden_layers} layers, "
+                            f"{'with' if tc.gradient_checkpointing else 'no'} gradient checkpointing",
+             "LM-head tiles": f"{min(tokens, TILE)} x {min(config.vocab_size, TILE)} fp32 x 3"}
+    if engine == "hf":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv = 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", config.num_attention_heads) \
+            * head_dim * 4 * tc.max_length * tc.per_device_train_batch_size
+        terms["rollout engine"] = (n_policy * 4 + kv) / GIB
+        notes["rollout engine"] = "HF generate: a copy of the policy and its KV cache"
+    elif engine == "vllm":
+        on_cpu = not torch.cuda.is_available()
+        terms["rollout engine"] = ((n_policy * 4 + kv_cache_gib * GIB + ENGINE_PROCESS_BYTES) / GIB) if on_cpu else 0.0
+        notes["rollout engine"] = ("colocated vLLM (its own processes): weights, KV cache, its processes" if on_cpu
+                                   else "colocated vLLM: its GPU share is taken out of the budget")
+    rss = _rss_now()
+    terms["this process"] = rss / GIB
+    notes["this process"] = "resident now (Python, torch, the libraries)"
+    out = MemoryPlan(terms, notes, budget(local, tc.memory_limit_gib, gpu_engine_share), local)
+    if accelerator.is_main_process:
+        logger.info(out.table())
+    out.check()
+    return out
+
+
+def _rss_now() -> int:
+    statm = (_read("/proc/self/statm") or "0 0").split()
+    return int(statm[1]) * os.sysconf("SC_PAGE_SIZE")
