@@ -72,6 +72,26 @@ def replace_dir(tmp: str, final: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def remove_dir(path: str) -> None:
+    """Delete a directory so that a crash midway leaves it whole or gone, never half: renamed to `.deleted-<name>`
+    beside it first (one atomic rename), then deleted; sweep_deleted removes what a crash left of the deletion."""
+    parent, name = os.path.split(path.rstrip("/"))
+    gone = os.path.join(parent, f".deleted-{name}")
+    shutil.rmtree(gone, ignore_errors=True)
+    try:
+        os.rename(path, gone)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def sweep_deleted(parent: str) -> None:
+    """The remains of remove_dir calls a crash interrupted, in `parent`."""
+    for name in os.listdir(parent) if os.path.isdir(parent) else []:
+        if name.startswith(".deleted-"):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
 def sweep_aside(final: str) -> None:
     """After a crash inside replace_dir: `final.old` is put back when `final` is missing, deleted otherwise."""
     old = f"{final.rstrip('/')}.old"

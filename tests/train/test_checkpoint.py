@@ -2,6 +2,7 @@
 one-line refusal and --resume_ignore_changes. (A refused resume as a user meets it:
 tests/recipes/test_all_recipes.py.)"""
 
+import os
 import shutil
 
 import pytest
@@ -95,3 +96,33 @@ def test_resume_rules_are_declared_by_the_config_classes():
 
     with pytest.raises(ValueError, match="Wrong.RESUME"):
         config.resume_rules(Wrong)
+
+
+def test_a_kill_while_pruning_leaves_no_half_checkpoint(tmp_path, monkeypatch):
+    """Pruning an old checkpoint (--save_total_limit) is one rename, then the deletion: a kill during the deletion
+    (here: the deletion raising after a first file is gone) leaves the checkpoint gone from the run's listing, never a
+    checkpoint-N without its marker (a CI run's kill mid-prune left one behind that nothing removed), and the next
+    prune sweeps the remains."""
+    from verl_kit import durable
+    from verl_kit.train import list_checkpoints
+
+    for step in (5, 10):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+        (tmp_path / f"checkpoint-{step}" / "model.bin").write_bytes(b"x" * 100)
+    real = shutil.rmtree
+
+    def killed(path, ignore_errors=False):
+        if ".deleted-" in str(path) and os.path.isdir(path):
+            os.unlink(os.path.join(path, "trainer_state.json"))
+            raise KeyboardInterrupt  # the process dies here
+        return real(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(durable.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        durable.remove_dir(str(tmp_path / "checkpoint-5"))
+    monkeypatch.setattr(durable.shutil, "rmtree", real)
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [10]
+    assert sorted(os.listdir(tmp_path)) == [".deleted-checkpoint-5", "checkpoint-10"]
+    durable.sweep_deleted(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-10"]

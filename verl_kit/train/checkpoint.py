@@ -30,7 +30,7 @@ import torch
 
 from verl_kit.config import DataConfig, ModelConfig, TrainConfig, flags_with_rule, resume_rules
 from verl_kit.data.datasets import train_fingerprint
-from verl_kit.durable import fsync_tree, replace_dir, write_failure
+from verl_kit.durable import fsync_tree, remove_dir, replace_dir, sweep_deleted, write_failure
 from verl_kit.errors import UserError
 from verl_kit.models.loading import export_hf
 from verl_kit.train.distributed import reduce_metrics
@@ -185,7 +185,8 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: d
     if accelerator.is_main_process:
         mine = [path for _, path in list_checkpoints(output_dir) if _run_id(path) in (run_id, None)]
         for old in mine[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_dir(old)  # whole or gone: a kill midway never leaves a checkpoint without its marker
+        sweep_deleted(output_dir)
         logger.info("saved %s", final)
     accelerator.wait_for_everyone()
     return final
