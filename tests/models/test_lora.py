@@ -123,9 +123,10 @@ RECIPES = {"dpo.py": [], "kto.py": [], "sft.py": [], "reward_model.py": [],
 # Every recipe once: DPO's in one process and under ZeRO-3 x2 in test_dpo_lora_zero3_matches_one_process_and_learns,
 # GRPO's one process in test_grpo_lora_learns_embedded_task (tests/recipes/test_grpo_runs.py); SFT and KTO under
 # ZeRO-3 share DPO's path (verl_kit.models.lora, train.Trainable, models.export_hf) and run here in one process; the
-# reward model (score head), PPO (critic adapter and value head) and GRPO (rollouts from the gathered, merged adapter)
-# under ZeRO-3 x2 only: their one-process path is the ZeRO-3 one without the gathers.
-EVERY_RECIPE = [("sft.py", 1), ("kto.py", 1), ("reward_model.py", 2), ("ppo.py", 2), ("grpo.py", 2)]
+# reward model (score head) and GRPO (rollouts from the gathered, merged adapter) under ZeRO-3 x2 only: their
+# one-process path is the ZeRO-3 one without the gathers. PPO's (critic adapter and value head) under ZeRO-3 x2, equal
+# to one process and exported: tests/rollout/test_episodes.py::test_ppo_lora_episodes_zero3_equals_one_process.
+EVERY_RECIPE = [("sft.py", 1), ("kto.py", 1), ("reward_model.py", 2), ("grpo.py", 2)]
 
 
 @pytest.mark.slow
@@ -136,10 +137,7 @@ def test_every_recipe_trains_an_adapter(recipe, procs, tmp_path):
     out = tmp_path / "o"
     args = ["--output_dir", str(out), *QUICK, *LORA, "--learning_rate", "1e-2", *RECIPES[recipe]]
     run(recipe_cmd(recipe, args) if procs == 1 else launch_cmd("zero3.yaml", 2, recipe, args), timeout=300)
-    rows = metrics(out)
     assert_adapter_export(out / "final", classifier=recipe == "reward_model.py")
-    if recipe == "ppo.py":
-        assert all(r["critic/grad_norm"] > 0 for r in rows if "critic/grad_norm" in r)
 
 
 @pytest.mark.slow

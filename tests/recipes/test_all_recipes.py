@@ -67,6 +67,9 @@ def test_two_steps_end_to_end(recipe, smoke):
     assert (out / "final" / "tokenizer_config.json").is_file()
     assert (out / "curves.png").stat().st_size > 1000
     assert "step 2: " in stderr  # the INFO line
+    # the memory plan, made before any weight was loaded, next to the measured peak (train.memory_plan)
+    plan, peak = by_step[0]["memory/plan_total_gib"], by_step[2]["perf/peak_rss_gib"]
+    assert "memory plan per training process" in stderr and abs(plan - peak) <= 0.25 * peak, (recipe, plan, peak)
     if recipe == "dpo.py":  # two trackers at once
         assert list(out.glob("**/events.out.tfevents.*")), sorted(p.name for p in out.rglob("*"))
     if recipe in ("dpo.py", "kto.py"):

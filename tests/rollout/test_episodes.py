@@ -478,4 +478,5 @@ def test_ppo_lora_episodes_zero3_equals_one_process(tmp_path, short_turns_path):
                   "grad_norm", "critic/grad_norm"):
             assert two[step][k] == pytest.approx(one[step][k], rel=1e-3, abs=1e-6), (step, k, one[step], two[step])
     assert one[2]["actor/pg_loss"] != one[1]["actor/pg_loss"]  # the update changed the policy
+    assert one[1]["critic/grad_norm"] > 0 and one[2]["critic/grad_norm"] > 0  # the critic's adapter trains
     assert_adapter_export(tmp_path / "z3" / "final")

@@ -220,12 +220,13 @@ def slot_mappings(pid: int) -> set[str]:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("config", ["zero3.yaml", "fsdp2.yaml"])
-def test_grpo_sharded_tied_model_with_vllm(tiny_tied_path, tmp_path, config):
-    """2 processes, ZeRO-3 or FSDP2 (the tied embedding is one sharded parameter: gathered, or all-gathered from its
-    DTensor shards), a colocated engine in each, a high learning rate: every sync's probe (logged as
-    rollout/logprob_max_abs_diff) stays below 1e-3; the run stops (the backend's probe raises) if one does not.
-    Before the fix: 0.48 to 0.72 at every step under ZeRO-3."""
+def test_grpo_sharded_tied_model_with_vllm(tiny_tied_path, tmp_path, config="zero3.yaml"):
+    """2 processes, ZeRO-3 (the tied embedding is one sharded parameter, gathered for the sync), a colocated engine in
+    each, a high learning rate: every sync's probe (logged as rollout/logprob_max_abs_diff) stays below 1e-3; the run
+    stops (the backend's probe raises) if one does not. Before the fix: 0.48 to 0.72 at every step under ZeRO-3.
+    FSDP2's side of it, the tied embedding all-gathered from its DTensor shards through the same Sharding.full_params
+    the sync reads, is tests/recipes/test_grpo_runs.py::test_grpo_fsdp2_tied_equals_peer (its rollout copy synced
+    from the gathered shards equals the peers' run)."""
     out = tmp_path / "run"
     t0 = time.time()
     run(launch_cmd(config, 2, "grpo.py", [

@@ -87,10 +87,10 @@ def test_accelerate_config_runs(tmp_path, config, extra, single_run):
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
-    """DPO killed once checkpoint-15 is complete (checkpoints every 5, the last 2 kept), a half-written checkpoint
+    """DPO killed once checkpoint-10 is complete (checkpoints every 5, the last 2 kept), a half-written checkpoint
     beside it, resumed with `auto`: bit-identical to the uninterrupted run, one clean metrics history, and only the
     last two checkpoints left."""
-    args = ["--max_steps", "30", "--save_steps", "5", "--save_total_limit", "2", "--eval_steps", "10",
+    args = ["--max_steps", "20", "--save_steps", "5", "--save_total_limit", "2", "--eval_steps", "10",
             "--logging_steps", "5"]
     cmd = lambda out, *extra: recipe_cmd("dpo.py", ["--output_dir", str(out), *args, *extra])
 
@@ -98,9 +98,9 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
         (crashed / ".tmp-checkpoint-999").mkdir(exist_ok=True)  # a half-written checkpoint is never picked up
 
     crashed = tmp_path / "crashed"
-    assert_resume_bit_identical(cmd, tmp_path / "full", crashed, 15, before_resume=half_written,
-                                compare_steps=(20, 30))
-    assert sorted(p.name for p in crashed.glob("checkpoint-*")) == ["checkpoint-25", "checkpoint-30"]  # keep-last-K
+    assert_resume_bit_identical(cmd, tmp_path / "full", crashed, 10, before_resume=half_written,
+                                compare_steps=(15, 20))
+    assert sorted(p.name for p in crashed.glob("checkpoint-*")) == ["checkpoint-15", "checkpoint-20"]  # keep-last-K
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -53,7 +53,9 @@ def meta_model(model_path: str):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with init_empty_weights():
+    from verl_kit.models.zero3 import outside_zero3
+
+    with outside_zero3(), init_empty_weights():  # never partitioned by a ZeRO-3 run's deepspeed.zero.Init
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
     model.tie_weights()  # a tied output layer is the input embedding: counted once
     return model
