@@ -140,10 +140,23 @@ def pair_metrics(sums: dict, pairs: float) -> dict:
             **{f"rewards/{k}": sums[k] / pairs for k in ("margin", "chosen", "rejected")}}
 
 
+def _peak_rss_kib() -> int:
+    """This process's resident high-water mark in KiB: VmHWM, its memory's own (getrusage's ru_maxrss survives exec,
+    so a recipe started by a large process, a test worker, would report its parent's peak)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def peak_memory() -> dict[str, float]:
     """This process's peak memory so far, in GiB: `perf/peak_rss_gib` (resident, the kernel's high-water mark: what
     an out-of-memory kill compares) and, on CUDA, `perf/peak_gpu_gib` (torch.cuda.max_memory_allocated)."""
-    out = {"perf/peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+    out = {"perf/peak_rss_gib": round(_peak_rss_kib() / 2**20, 3)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["perf/peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     return out

@@ -284,7 +284,8 @@ def test_output_dir_belongs_to_its_run(tmp_path):
 
 def test_checkpoint_is_synced_before_the_rename_and_rotated_after(tmp_path, monkeypatch):
     """Every file of the checkpoint and its directory are fsynced before the temporary is renamed to
-    checkpoint-<step>, the output directory after it, and older checkpoints are deleted only then; a stale
+    checkpoint-<step>, the output directory after it, and older checkpoints are deleted only then (renamed aside
+    first: durable.remove_dir); a stale
     `.tmp-checkpoint-*` from an interrupted save is swept when the run starts. On the committed code nothing was
     synced and the temporary stayed."""
     cfg = _cfg(tmp_path / "out")
@@ -320,7 +321,9 @@ def test_checkpoint_is_synced_before_the_rename_and_rotated_after(tmp_path, monk
     written = {os.path.join(tmp, n) for n in os.listdir(final)}
     assert written <= synced and tmp in synced, (written - synced, tmp)
     assert ("fsync", cfg.output_dir) in events[at:]
-    assert events.index(("rmtree", f"{cfg.output_dir}/checkpoint-1")) > at
+    gone = f"{cfg.output_dir}/.deleted-checkpoint-1"  # pruned whole or not at all: renamed aside, then deleted
+    aside = events.index(("rename", f"{cfg.output_dir}/checkpoint-1", gone))
+    assert aside > at and ("rmtree", gone) in events[aside:]
     assert [s for s, _ in list_checkpoints(cfg.output_dir)] == [2]
 
 
