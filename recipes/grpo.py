@@ -113,8 +113,7 @@ def main():
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
     # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
-    rows = [len(p) + cfg.rollout.max_completion_length for p in prompts.ids]  # a sample's tokens at most
-    memory = train.plan_memory(accelerator, cfg.train, model_path, rows,
+    memory = train.plan_memory(accelerator, cfg.train, model_path, prompts.ids,
                                frozen=(model_path,) if grpo.beta and not cfg.train.use_peft else (),
                                rollout=cfg.rollout, vllm=cfg.vllm)
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout

@@ -81,9 +81,8 @@ def main():
     critic_path = (model_path if ppo.critic_init == "policy"
                    else models.resolve_model_path(cfg.rewards.reward_model_name_or_path))
     # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
-    rows = [len(p) + cfg.rollout.max_completion_length for p in prompts.ids]  # a sample's tokens at most
     reward_model = cfg.rewards.reward_model_name_or_path
-    memory = train.plan_memory(accelerator, cfg.train, model_path, rows, trained_extra=(critic_path,),
+    memory = train.plan_memory(accelerator, cfg.train, model_path, prompts.ids, trained_extra=(critic_path,),
                                frozen=(() if cfg.train.use_peft else (model_path,))
                                + ((models.resolve_model_path(reward_model),) if reward_model else ()),
                                rollout=cfg.rollout, vllm=cfg.vllm)

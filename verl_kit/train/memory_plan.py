@@ -204,10 +204,13 @@ MOVES = {
 def plan(accelerator, tc, model_path: str, costs: list[int], *, frozen: tuple[str, ...] = (),
          trained_extra: tuple[str, ...] = (), rollout=None, vllm=None) -> MemoryPlan:
     """The plan of a run: `tc` its TrainConfig (the micro-batch, checkpointing, LoRA, bf16 flags), `model_path` the
-    trained policy, `costs` the tokens of each item a micro-batch is made of (a sequence; a preference pair's two),
+    trained policy, `costs` the tokens of each item a micro-batch is made of (a sequence; a preference pair's two; an
+    online recipe passes its prompts' ids, each sample counted at its prompt plus --max_completion_length),
     `frozen` the paths of frozen models (reference, teacher, reward model), `trained_extra` other trained models (a
     critic), `rollout` and `vllm` an online recipe's RolloutConfig and VLLMConfig (the backend; a colocated engine's
     KV cache or GPU share). Logs the table on the main process, then refuses what cannot fit (MemoryPlan.check)."""
+    if rollout is not None:
+        costs = [len(p) + rollout.max_completion_length for p in costs]  # a sample's tokens at most
     engine = rollout.rollout if rollout is not None else "none"
     kv_cache_gib = vllm.vllm_kv_cache_gib if vllm is not None else 0.0
     gpu_engine_share = vllm.vllm_gpu_memory_utilization if engine == "vllm" and torch.cuda.is_available() else 0.0
