@@ -9,11 +9,15 @@ Two losses (docs/distill.md):
                            the JSD (TRL's DistillationTrainer)
 A task reward (--reward_fn) is logged, evaluated held out (its accuracy where the task has an answer) and, with
 --task_reward_coef > 0, added to the advantage. Teacher and student must share a tokenizer (checked at start).
+Self-distillation (TRL's SDFT; --teacher_model_kind base|live|ema instead of a teacher path): the teacher is the
+student itself, reading each prompt with its row's privileged_context (a reference solution, feedback), which the
+student never sees; the student learns to do without it what it does with it.
 
     python recipes/distill.py --teacher_model_name_or_path outputs/sft-tiny/final     # after recipes/sft.py
     python recipes/distill.py --config recipes/configs/distill_tiny.yaml
     python recipes/distill.py --config recipes/configs/distill_tiny.yaml --loss_type jsd --beta 0.5
     python recipes/distill.py --config recipes/configs/distill_tiny.yaml --rollout vllm --async_rollout
+    python recipes/distill.py --teacher_model_kind base --dataset_name rows_with_privileged_context.jsonl ...
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 recipes/distill.py \
         --config recipes/configs/distill_tiny.yaml
     make cluster-run RECIPE=recipes/distill.py CONFIG=recipes/configs/distill_tiny.yaml NODES=2
@@ -21,6 +25,7 @@ A task reward (--reward_fn) is logged, evaluated held out (its accuracy where th
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -37,11 +42,25 @@ class DistillConfig(config.Config):
     """Distillation's own knobs: the teacher, the loss, the task reward's weight; the rest of its flags are the
     online roles (no environments: the teacher scores single-turn samples)."""
 
-    CHOICES: ClassVar[dict] = {"loss_type": ("reverse_kl", "jsd")}
+    CHOICES: ClassVar[dict] = {"loss_type": ("reverse_kl", "jsd"), "teacher_model_kind": (None, "base", "live", "ema")}
 
     teacher_model_name_or_path: str | None = field(default=None, metadata={
-        "help": "the frozen teacher (HF id or local path; required): same tokenizer as the student, may be larger; "
-                "sharded like a reference model under ZeRO-3 (TRL's flag)"})
+        "help": "the frozen teacher (HF id or local path; this or --teacher_model_kind): same tokenizer as the "
+                "student, may be larger; sharded like a reference model under ZeRO-3 (TRL's flag)"})
+    teacher_model_kind: str | None = field(default=None, metadata={
+        "help": "self-distillation (TRL's SDFT): the teacher is the student itself reading each prompt with its "
+                "row's privileged_context (--teacher_prompt_template): base (the initial weights, frozen), live (the "
+                "current weights) or ema (an exponential average, --teacher_update_rate); instead of "
+                "--teacher_model_name_or_path"})
+    teacher_prompt_template: str = field(default="{prompt}\n\n{privileged_context}", metadata={
+        "help": "the teacher's prompt wherever the data has a privileged_context column (self-distillation needs "
+                "it): the row's prompt (with chat messages: the last user message's text) and its privileged "
+                "context filled in"})
+    teacher_update_rate: float = field(default=0.05, metadata={
+        "help": "--teacher_model_kind ema: teacher <- (1 - rate) teacher + rate student every --teacher_sync_steps "
+                "optimizer steps (1.0: a copy of the student)"})
+    teacher_sync_steps: int = field(default=1, metadata={
+        "help": "--teacher_model_kind ema: optimizer steps between teacher updates"})
     loss_type: str = field(default="reverse_kl", metadata={
         "help": "reverse_kl (per-token advantage -(log p_student - log q_teacher) of the sampled token, clipped "
                 "policy loss) or jsd (TRL's generalized JSD over the full vocabulary, see --beta)"})
@@ -58,11 +77,17 @@ class DistillConfig(config.Config):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.teacher_model_name_or_path:
-            raise UserError("--teacher_model_name_or_path is required: the frozen model the student learns from")
+        if bool(self.teacher_model_name_or_path) == bool(self.teacher_model_kind):
+            raise UserError("give one of --teacher_model_name_or_path (a frozen model the student learns from) and "
+                            "--teacher_model_kind base|live|ema (self-distillation)")
+        if "{prompt}" not in self.teacher_prompt_template or "{privileged_context}" not in self.teacher_prompt_template:
+            raise UserError(f"--teacher_prompt_template {self.teacher_prompt_template!r}: must hold both {{prompt}} "
+                            "and {privileged_context}")
+        if not 0.0 < self.teacher_update_rate <= 1.0:
+            raise UserError(f"--teacher_update_rate {self.teacher_update_rate}: must be in (0, 1]")
         if not 0.0 <= self.beta <= 1.0:
             raise UserError(f"--beta {self.beta}: the JSD interpolation coefficient must be in [0, 1]")
-        self.at_least(1, "num_generations", "num_iterations", "num_mini_batches")
+        self.at_least(1, "num_generations", "num_iterations", "num_mini_batches", "teacher_sync_steps")
         if self.loss_type == "reverse_kl" and self.beta != 1.0:
             config.warn(f"--beta {self.beta} has no effect with --loss_type reverse_kl")
 
@@ -74,6 +99,9 @@ class DistillConfig(config.Config):
         if cfg.rollout.curriculum != "none" and not cfg.rewards.any:
             raise UserError("--curriculum difficulty draws prompts by their solve rates: it needs a --reward_fn (or "
                             "--reward_model_name_or_path)")
+        if self.teacher_model_kind == "ema" and cfg.train.use_peft:
+            raise UserError("--teacher_model_kind ema with --use_peft: not supported (the average of a LoRA student "
+                            "is not a LoRA model); use base or live")
 
     @property
     def one_update(self) -> bool:
@@ -84,6 +112,12 @@ class DistillConfig(config.Config):
 ARGS = {"distill": DistillConfig, "train": config.TrainConfig, "rollout": config.RolloutConfig,
         "vllm": config.VLLMConfig, "rewards": config.RewardConfig, "ratio": config.RatioConfig,
         "entropy": config.EntropyConfig}
+
+
+def for_teacher(ro, ids: list[list[int]] | None):
+    """The rollout as the teacher reads it: the same responses after its own prompts (`ids`: the teacher prompts of
+    the split `ro` was drawn from, data.teacher_prompts; None: the student's prompts)."""
+    return ro if ids is None else dataclasses.replace(ro, prompt_ids=[ids[i] for i in ro.prompt_index])
 
 
 def teacher_view(disagreement: torch.Tensor, response_ids: torch.Tensor, n: int, tokenizer) -> dict:
@@ -106,14 +140,25 @@ def main():
     prompts, held_out = data.load_prompt_splits(cfg.train, tokenizer)
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
+    # where the rows have a privileged_context (self-distillation needs one), the teacher reads it with the prompt
+    sees = None
+    if dist.teacher_model_kind or any(data.PRIVILEGED in r for r in prompts.rows):
+        limit = cfg.train.max_length - cfg.rollout.max_completion_length
+        sees = [data.teacher_prompts(split, tokenizer, dist.teacher_prompt_template, limit, source)
+                for split, source in ((prompts, cfg.train.train_source), (held_out, cfg.train.test_source))]
     # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
-    memory = train.plan_memory(accelerator, cfg.train, model_path, prompts.ids,
-                               frozen=(models.resolve_model_path(dist.teacher_model_name_or_path),),
+    copies = (() if dist.teacher_model_kind == "live" or (dist.teacher_model_kind and cfg.train.use_peft)
+              else (models.resolve_model_path(dist.teacher_model_name_or_path or model_path),))
+    memory = train.plan_memory(accelerator, cfg.train, model_path, prompts.ids, frozen=copies,
                                rollout=cfg.rollout, vllm=cfg.vllm)
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
     actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)  # the student
-    # frozen, ZeRO-3 sharded like a reference; its tokenizer checked to be the student's (one line otherwise)
-    teacher = train.load_teacher(accelerator, dist.teacher_model_name_or_path, tokenizer, attn)
+    ema = None  # --teacher_model_kind ema: the average of the student, moved after each optimizer step
+    if dist.teacher_model_kind:  # self-distillation: the student itself (live), its initial weights, or their EMA
+        teacher, ema = train.self_teacher(accelerator, actor, dist.teacher_model_kind, model_path, attn,
+                                          cfg.train.use_peft, dist.teacher_update_rate, dist.teacher_sync_steps)
+    else:  # frozen, ZeRO-3 sharded like a reference; its tokenizer checked to be the student's (one line otherwise)
+        teacher = train.load_teacher(accelerator, dist.teacher_model_name_or_path, tokenizer, attn)
     widths = (actor.unwrapped().config.vocab_size, getattr(teacher, "module", teacher).config.vocab_size)
     if dist.loss_type == "jsd" and widths[0] != widths[1]:
         raise UserError(f"--loss_type jsd compares whole distributions: the student has {widths[0]} logits and the "
@@ -126,7 +171,8 @@ def main():
                                      vllm=cfg.vllm, train=cfg.train, model_path=model_path, total_steps=total_steps,
                                      num_generations=dist.num_generations)
     # its checkpoints: the run's id, save clock and stop signal, and the flags a resume must find unchanged
-    ckpt = train.Checkpoints(accelerator, cfg.train, cfg.resume_checked(), per_rank=rollouts)
+    ckpt = train.Checkpoints(accelerator, cfg.train, cfg.resume_checked(),
+                             per_rank=train.PerRank(rollouts=rollouts, teacher=ema))
     start = ckpt.resume()  # 0 unless --resume_from_checkpoint
     rollouts.load_weights(actor.unwrapped(), version=start)  # the engine samples from the (restored) student
     log = MetricsLogger(accelerator, cfg.train.output_dir, total_steps, start, flags, cfg.train.run_name)
@@ -137,7 +183,8 @@ def main():
         log p - log q of the student's sampled tokens, total over total tokens (eval/teacher_kl)."""
         def kl_sum(ro):  # (B,) sum over each response's tokens; every process calls it alike (ZeRO-3)
             chunks = train.micro_batches(cfg.train, list(range(len(ro.costs))), ro.costs)
-            diff = packed.logprobs(actor.model, ro, chunks, device) - packed.logprobs(teacher, ro, chunks, device)
+            theirs = for_teacher(ro, sees and sees[1])
+            diff = packed.logprobs(actor.model, ro, chunks, device) - packed.logprobs(teacher, theirs, chunks, device)
             return (diff * ro.response_mask).sum(-1)
         score = reward.of_rollout if reward else lambda ro: rollout.Scores(torch.zeros(len(ro.prompt_ids)))
         m = rollouts.evaluate(accelerator, held_out, score, cfg.rollout.prompts_per_step // world,
@@ -159,6 +206,7 @@ def main():
         mask, B = ro.response_mask, ro.response_mask.shape[0]
         lengths = mask.sum(-1)
         costs = ro.costs  # tokens of each row's forward pass
+        theirs = for_teacher(ro, sees and sees[0])  # what the teacher reads: its prompts, the same responses
 
         # 2. the task reward (logged; with --task_reward_coef centred per prompt and added to each token's advantage)
         with timer("reward"):
@@ -173,7 +221,7 @@ def main():
         student_lp = torch.zeros(mask.shape)  # the student before this step's update, for metrics and samples
         with timer("teacher"):
             chunks = train.micro_batches(cfg.train, list(range(B)), costs)
-            teacher_lp = (packed.logprobs(teacher, ro, chunks, device) if dist.loss_type == "reverse_kl"
+            teacher_lp = (packed.logprobs(teacher, theirs, chunks, device) if dist.loss_type == "reverse_kl"
                           else torch.zeros(mask.shape))
             old_logprobs = None if dist.one_update else packed.old_logprobs(actor.model, ro, chunks, device,
                                                                             cfg.ratio.old_logprobs)
@@ -188,7 +236,7 @@ def main():
             for chunk in actor.accumulate(update.chunks):
                 if dist.loss_type == "jsd":  # both models' whole distributions at each sampled position
                     logprobs, entropy, jsd, t_lp, ix = packed.divergence(actor.model, teacher, ro, chunk, device,
-                                                                         dist.beta)
+                                                                         dist.beta, theirs)
                 else:
                     logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
                 old = logprobs.detach() if dist.one_update else ix.gather(old_logprobs, device)
@@ -211,6 +259,8 @@ def main():
                     tally.add(teacher_kl=old - t_lp, kl_tokens=len(loss))
                     student_lp[ix.row, ix.pos], teacher_lp[ix.row, ix.pos] = old.float().cpu(), t_lp.cpu()
             grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
+            if ema:
+                ema.after_step()  # --teacher_model_kind ema: the teacher moves toward the updated student
             entropy_metrics = ent.end()  # --use_adaptive_entropy: the coefficient moves
 
         # 5. weight sync: the rollout engine generates with the updated student from the next step on

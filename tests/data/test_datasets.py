@@ -242,3 +242,24 @@ def test_packed_kto_target_and_kl_equal_padded(model):
     torch.testing.assert_close(loss_pack, loss_pad, atol=1e-5, rtol=0)
     for name in g_pad:
         torch.testing.assert_close(g_pack[name], g_pad[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_teacher_prompts_show_the_privileged_context(tokenizer):
+    """Self-distillation's teacher prompt (TRL's SDFT template, "{prompt}\\n\\n{privileged_context}"): a string
+    prompt filled in; chat messages keep the system message and get the filled template as the last user message; a
+    context given as messages joins their text; a row without the column is one line naming its row."""
+    from verl_kit.data import Prompts, load_prompts, teacher_prompt, teacher_prompts
+
+    template = "{prompt}\n\n{privileged_context}"
+    assert teacher_prompt("What is 2 + 3?", "The answer is 5.", template) == "What is 2 + 3?\n\nThe answer is 5."
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    feedback = [{"role": "user", "content": "Wrong."}, {"role": "assistant", "content": "5 is right."}]
+    assert teacher_prompt(chat, feedback, "{prompt} [hint: {privileged_context}]") == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 3? [hint: Wrong.\n5 is right.]"}]
+    rows = [{"prompt": chat, "privileged_context": "5"}, {"prompt": "Say hi.", "privileged_context": "hi"}]
+    ids = teacher_prompts(Prompts(rows, [[0], [0]]), tokenizer, template, 64, "data.jsonl")
+    want = [[chat[0], {"role": "user", "content": "What is 2 + 3?\n\n5"}], "Say hi.\n\nhi"]
+    assert ids == load_prompts([{"prompt": p} for p in want], tokenizer, 64, "x")
+    with pytest.raises(UserError, match=r"^data.jsonl row 2: field 'privileged_context' is missing or empty"):
+        teacher_prompts(Prompts([rows[0], {"prompt": "Say hi."}], [[0], [0]]), tokenizer, template, 64, "data.jsonl")

@@ -1,5 +1,5 @@
-"""recipes/distill.py in the slow tier: the student learning from an SFT teacher, and ZeRO-3 x2 against one process
-with kill -9 / resume. (The losses by hand: tests/algos/test_distill_losses.py; the teacher/student tokenizer check:
+"""recipes/distill.py in the slow tier: the student learning from an SFT teacher, self-distillation learning what
+its privileged context teaches, and ZeRO-3 x2 against one process with kill -9 / resume. (The losses by hand: tests/algos/test_distill_losses.py; the teacher/student tokenizer check:
 tests/models/test_loading.py.)"""
 
 import json
@@ -64,6 +64,58 @@ def test_student_learns_from_sft_teacher(teacher, tiny_model_path, tmp_path):
     with open(out / "samples.jsonl") as f:
         sample = json.loads(f.readline())
     assert math.isfinite(sample["teacher_kl"]) and len(sample["disputed"]) == 3, sample
+
+
+KIND, RUDE = "Reply kindly.", "Reply dismissively."
+
+
+@pytest.fixture(scope="module")
+def instructed(tmp_path_factory):
+    """The tiny model after 120 SFT steps on the tone task's pairs where the user's message ends in an instruction
+    (KIND -> the kind reply, RUDE -> the dismissive one) or has none (either, at random): it follows the
+    instruction (held-out kind_reply, sampled: 0.57 with KIND, 0.01 with RUDE, 0.14 without). And the prompts of the
+    self-distillation run, each with KIND as its privileged_context. -> (model, prompts directory)."""
+    import random
+
+    from verl_kit.models import TINY_PREFS
+
+    root, rng = tmp_path_factory.mktemp("instructed"), random.Random(0)
+    (root / "sft").mkdir()
+    (root / "prompts").mkdir()
+    with open(f"{TINY_PREFS}/train.jsonl") as f, open(root / "sft" / "train.jsonl", "w") as out:
+        for row in map(json.loads, f):
+            q, good, bad = (row[k][-1]["content"] for k in ("prompt", "chosen", "rejected"))
+            for user, reply in ((f"{q}\n\n{KIND}", good), (f"{q}\n\n{RUDE}", bad), (q, rng.choice([good, bad]))):
+                out.write(json.dumps({"messages": [{"role": "user", "content": user},
+                                                   {"role": "assistant", "content": reply}]}) + "\n")
+    for split in ("train", "test"):
+        with open(f"{TINY_PREFS}/{split}.jsonl") as f, open(root / "prompts" / f"{split}.jsonl", "w") as out:
+            for row in map(json.loads, f):
+                out.write(json.dumps({"prompt": row["prompt"], "privileged_context": KIND}) + "\n")
+    run(recipe_cmd("sft.py", ["--config", "recipes/configs/sft_tiny.yaml", "--dataset_name", str(root / "sft"),
+                              "--output_dir", str(root / "model"), "--max_steps", "120", "--learning_rate", "0.003",
+                              "--per_device_train_batch_size", "16", "--packing_length", "1024",
+                              "--dataset_test_split", "none", "--logging_steps", "120", "--save_steps", "1000"]),
+        timeout=420)
+    return str(root / "model" / "final"), str(root / "prompts")
+
+
+@pytest.mark.slow
+def test_self_distillation_learns_what_the_context_teaches(instructed, tmp_path):
+    """--teacher_model_kind base: the teacher is the student's initial weights reading each prompt with KIND after
+    it; the student never sees KIND. 8 steps: the held-out reverse KL to that teacher falls by more than half and
+    the student's held-out kind_reply, without the instruction, rises toward the teacher's (measured 0.23 -> 0.45)."""
+    model, prompts = instructed
+    out = tmp_path / "run"
+    run(recipe_cmd("distill.py", ["--config", "recipes/configs/distill_tiny.yaml", "--model_name_or_path", model,
+                                  "--teacher_model_name_or_path", "", "--teacher_model_kind", "base",
+                                  "--dataset_name", prompts, "--output_dir", str(out), "--max_steps", "8",
+                                  "--eval_steps", "8", "--learning_rate", "0.0005"]), timeout=420)
+    held_out = {r["step"]: r for r in metrics(out) if "eval/teacher_kl" in r}
+    print({s: (round(r["eval/reward_mean"], 3), round(r["eval/teacher_kl"], 4)) for s, r in held_out.items()})
+    assert sorted(held_out) == [0, 8]
+    assert held_out[8]["eval/teacher_kl"] < 0.5 * held_out[0]["eval/teacher_kl"], held_out
+    assert held_out[8]["eval/reward_mean"] > held_out[0]["eval/reward_mean"] + 0.12, held_out
 
 
 def _args(out, teacher, *extra):

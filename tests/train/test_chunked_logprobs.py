@@ -225,3 +225,39 @@ def test_head_divergence_equals_generalized_jsd(beta, monkeypatch, tiny_model_pa
     (values, grads), (values0, grads0) = results
     assert all(rel_err(x, y) < TOL for x, y in zip(values, values0)), [rel_err(x, y) for x, y in zip(values, values0)]
     assert max(rel_err(grads[n], grads0[n]) for n in grads0) < TOL
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_divergence_with_a_teacher_reading_other_prompts(lora, monkeypatch, tiny_model_path, tiny_tied_path):
+    """Self-distillation's teacher reads a privileged context before the same responses: ResponsePacker.divergence
+    with a teacher rollout (other prompts, so another packed layout: rows 2 and 3 no longer share theirs) gives each
+    response token the student's log-prob, its JSD from the teacher and the teacher's log-prob that one row at a time
+    through the whole logits gives; tiled (a plain student) and through the whole-logits path (a LoRA student)."""
+    import dataclasses
+
+    import trl.kernels.chunked_divergence as trl_divergence
+
+    from verl_kit.algos import generalized_jsd
+    from verl_kit.config import TrainConfig
+    from verl_kit.rollout.types import Rollout
+    from verl_kit.train import ResponsePacker
+
+    monkeypatch.setattr(trl_kernel, "TOKEN_CHUNK_SIZE", 4)
+    monkeypatch.setattr(trl_divergence, "TOKEN_CHUNK_SIZE", 4)
+    prompts, response, mask = _rollout()
+    ro = Rollout(prompts, response, mask, torch.zeros(response.shape), torch.zeros(4, dtype=torch.bool))
+    theirs = dataclasses.replace(ro, prompt_ids=[[40 + i] * (i + 2) + p for i, p in enumerate(prompts)])
+    student, teacher = _model(tiny_model_path, lora=lora), _model(tiny_tied_path).eval()
+    packer = ResponsePacker(TrainConfig(output_dir="unused", packing_length=64), 0, student, 0.7)
+    lp, ent, jsd, t_lp, ix = packer.divergence(student, teacher, ro, [2, 0, 3, 1], "cpu", 0.5, theirs)
+    assert len(ix.targets) == int(mask.sum())
+    for k, (row, pos) in enumerate(zip(ix.row.tolist(), ix.pos.tolist())):
+        s_ids, t_ids = prompts[row] + response[row].tolist(), theirs.prompt_ids[row] + response[row].tolist()
+        with torch.no_grad():
+            s_logits = student(input_ids=torch.tensor([s_ids])).logits[0, len(prompts[row]) - 1 + pos] / 0.7
+            t_logits = teacher(input_ids=torch.tensor([t_ids])).logits[0, len(theirs.prompt_ids[row]) - 1 + pos] / 0.7
+        target = response[row, pos]
+        want = (s_logits.log_softmax(-1)[target], generalized_jsd(s_logits[None], t_logits[None], 0.5)[0],
+                t_logits.log_softmax(-1)[target])
+        got = (lp[k], jsd[k], t_lp[k])
+        assert all(abs(float(x - y)) < 1e-4 for x, y in zip(got, want)), (row, pos, got, want)

@@ -10,6 +10,8 @@ from verl_kit.config import DataConfig
 from verl_kit.data.datasets import SOURCE, load_splits, truncate
 from verl_kit.errors import UserError
 
+PRIVILEGED = "privileged_context"  # TRL's column: what only the teacher reads (a reference solution, feedback)
+
 
 @dataclass
 class Prompts:
@@ -57,3 +59,30 @@ def load_prompts(ds, tokenizer, max_prompt_length: int, source: str) -> list[lis
                              max_prompt_length + 1, source, row_no)  # the prompt part of the one rule
         out.append(ids)
     return out
+
+
+def teacher_prompt(prompt, context, template: str):
+    """The prompt the teacher reads (TRL's SDFT, DemonstrationTeacherContextBuilder): `template` filled with the
+    prompt and the row's privileged context; with chat messages the last user message's text is replaced by the
+    filled template (the system and earlier messages kept). A context given as messages is joined by their text."""
+    if isinstance(context, list):
+        context = "\n".join(str(m.get("content", "")) for m in context if isinstance(m, dict) and m.get("content"))
+    if isinstance(prompt, list):
+        *before, last = prompt
+        return [*before, {**last, "content": template.format(prompt=last.get("content", ""),
+                                                             privileged_context=context)}]
+    return template.format(prompt=prompt, privileged_context=context)
+
+
+def teacher_prompts(prompts: Prompts, tokenizer, template: str, max_prompt_length: int, source: str
+                    ) -> list[list[int]]:
+    """Token ids of each row's teacher prompt (teacher_prompt), aligned with `prompts.ids`; a row without a
+    non-empty `privileged_context` is a UserError naming it. Longer than max_prompt_length: the last tokens kept."""
+    rows = []
+    for row_no, row in enumerate(prompts.rows, start=1):
+        context = row.get(PRIVILEGED)
+        if context is None or (isinstance(context, str | list) and not context):
+            raise UserError(f"{source} row {row_no}: field '{PRIVILEGED}' is missing or empty: self-distillation "
+                            "shows it to the teacher (a reference solution, feedback)")
+        rows.append({"prompt": teacher_prompt(row.get("prompt"), context, template)})
+    return load_prompts(rows, tokenizer, max_prompt_length, source)

@@ -16,6 +16,7 @@ from verl_kit.train.actor_critic import (
 from verl_kit.train.checkpoint import (
     MODEL_FLAGS,
     Checkpoints,
+    PerRank,
     check_run,
     export_final,
     load_checkpoint,
@@ -62,4 +63,4 @@ from verl_kit.train.output_dir import STATE_FILE, check_output_dir, list_checkpo
 from verl_kit.train.preemption import StopSignal
 from verl_kit.train.scoring import Sequences, completion_sequences, make_batch, score_items, score_subset
 from verl_kit.train.sharding import FSDP2, Accelerator, DeepSpeed, Sharding
-from verl_kit.train.trainable import Trainable, frozen, load_teacher
+from verl_kit.train.trainable import EmaTeacher, Trainable, frozen, load_teacher, self_teacher

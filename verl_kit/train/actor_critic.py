@@ -88,6 +88,14 @@ class ResponseIndex:
         return out if device is None else out.to(device)
 
 
+def same_tokens(mine: ResponseIndex, theirs: ResponseIndex) -> torch.Tensor:
+    """(M,) the order that takes `theirs`' scored tokens to `mine`'s: the same (row, position) of one rollout's
+    responses, packed into two layouts (different prompts before them)."""
+    width = int(max(mine.pos.max(), theirs.pos.max())) + 1 if len(mine.pos) else 1
+    key_mine, key_theirs = mine.row * width + mine.pos, theirs.row * width + theirs.pos
+    return torch.argsort(key_theirs)[torch.argsort(torch.argsort(key_mine))]
+
+
 def pack_responses(prompt_ids: list[list[int]], response_ids: torch.Tensor, response_mask: torch.Tensor,
                    rows: list[int], pad_id: int, packing: bool, packing_length: int,
                    block_mask: bool, hidden_size: int | None = None,
@@ -148,15 +156,21 @@ class ResponsePacker:
             logprobs, entropy = head_logprobs(model, batch.inputs(), index.scored, index.targets, self.temperature)
             return logprobs, entropy, index
 
-    def divergence(self, model, teacher, rollout, rows: list[int], device, beta: float) -> tuple[torch.Tensor, ...]:
+    def divergence(self, model, teacher, rollout, rows: list[int], device, beta: float,
+                   teacher_rollout=None) -> tuple[torch.Tensor, ...]:
         """Distillation's scores of the response tokens of rollout `rows` at the sampling temperature, through both
         LM heads in chunks (lm_head.head_divergence): the student `model`'s log-probs, entropy and generalized JSD
         from the frozen `teacher` (algos.generalized_jsd, `beta`), the teacher's log-probs, each (M,), and where each
-        token comes from."""
+        token comes from. `teacher_rollout`: the same responses after the prompts the teacher reads
+        (self-distillation's privileged context), packed on their own and matched token by token."""
         batch, index = self(rollout, rows)
         batch = batch.to(device)
-        return (*head_divergence(model, teacher, batch.inputs(), index.scored, index.targets, self.temperature, beta),
-                index)
+        theirs = None
+        if teacher_rollout is not None and teacher_rollout is not rollout:
+            t_batch, t_index = self(teacher_rollout, rows)
+            theirs = (t_batch.to(device).inputs(), t_index.scored, same_tokens(index, t_index))
+        return (*head_divergence(model, teacher, batch.inputs(), index.scored, index.targets, self.temperature, beta,
+                                 teacher_inputs=theirs), index)
 
     def logprobs(self, model, rollout, chunks: list[list[int]], device) -> torch.Tensor:
         """(B, R) log-probs of every response token under `model` at the sampling temperature."""

@@ -222,6 +222,24 @@ def load_checkpoint(accelerator, path: str, model: dict, per_rank=None, run: dic
     return state
 
 
+class PerRank:
+    """Several objects whose state differs between processes, as one `per_rank` (their states by name in the rank
+    file); None objects are left out."""
+
+    def __init__(self, **objects):
+        self.objects = {name: obj for name, obj in objects.items() if obj is not None}
+
+    def state_dict(self) -> dict:
+        return {name: obj.state_dict() for name, obj in self.objects.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = sorted(self.objects.keys() - state.keys())
+        if missing:
+            raise UserError(f"the checkpoint's per-process state holds no {missing} (saved by another kind of run)")
+        for name, obj in self.objects.items():
+            obj.load_state_dict(state[name])
+
+
 class Checkpoints:
     """A run's checkpoints, held by the recipe from its start to its end:
 

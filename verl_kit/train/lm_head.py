@@ -86,20 +86,26 @@ def head_logprobs(model, inputs: dict, scored: torch.Tensor, targets: torch.Tens
 
 
 def head_divergence(student, teacher, inputs: dict, scored: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    beta: float, chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, ...]:
+                    beta: float, chunk_size: int = CHUNK_SIZE, teacher_inputs: tuple | None = None
+                    ) -> tuple[torch.Tensor, ...]:
     """Distillation's scores at the positions `scored`: the student's log-probs, entropy and its generalized JSD
     from the teacher (algos.generalized_jsd's maths, beta the same; TRL 1.16's ChunkedDivergenceFunction), and the
     teacher's log-probs, each (M,) fp32; gradients reach the student only. The teacher runs first, its head swapped
-    for one that keeps the scored hidden states (M, H_t); then the student's head folds both models' tiles."""
+    for one that keeps the scored hidden states (M, H_t); then the student's head folds both models' tiles.
+    `teacher_inputs`: (inputs, scored, order) where the teacher reads other sequences (a privileged context before
+    the same responses): its scored positions, taken in `order`, are the student's."""
     # imported here: this module of TRL imports transformers' integrations, which print a line on stdout at import
     # under WANDB_MODE=offline
     from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
     device = inputs["input_ids"].device
     scored, targets = scored.to(device), targets.to(device)
+    t_inputs, t_scored, order = teacher_inputs or (inputs, scored, None)
+    t_scored = t_scored.to(device)
+    in_order = (lambda t: t) if order is None else (lambda t: t[order.to(device)])
     if not (chunkable(student) and chunkable(teacher)):
         with torch.no_grad():
-            t_logits = scored_logits(teacher, inputs, scored) / temperature
+            t_logits = in_order(scored_logits(teacher, t_inputs, t_scored)) / temperature
         logits = scored_logits(student, inputs, scored) / temperature
         return (*full_logprobs(logits, targets), generalized_jsd(logits, t_logits, beta),
                 logprobs_from_logits(t_logits, targets))
@@ -107,7 +113,7 @@ def head_divergence(student, teacher, inputs: dict, scored: torch.Tensor, target
     t_head = extract_model_from_parallel(teacher).get_output_embeddings()
 
     def teacher_forward(hidden):  # (R, L, H_t) -> the scored hidden states (M, H_t), log-probs (M,)
-        h = hidden[:, :-1][scored]
+        h = in_order(hidden[:, :-1][t_scored])
         return h, chunked_logprobs(h, t_head.weight, t_head.bias, targets, temperature, chunk_size)[0]
 
     def student_forward(hidden):  # (R, L, H_s) -> log-probs, entropy, divergence (M,)
@@ -118,7 +124,7 @@ def head_divergence(student, teacher, inputs: dict, scored: torch.Tensor, target
         return logprobs, entropy, divergence
 
     with torch.no_grad():
-        t_hidden, t_logprobs = _through_head(teacher, inputs, teacher_forward)
+        t_hidden, t_logprobs = _through_head(teacher, t_inputs, teacher_forward)
     return (*_through_head(student, inputs, student_forward), t_logprobs)
 
 

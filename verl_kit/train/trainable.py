@@ -149,3 +149,63 @@ def load_teacher(accelerator, spec: str, tokenizer, attn_implementation: str | N
     teacher_tokenizer = load_tokenizer(path, chat_template_kwargs(tokenizer))  # rendered with the same kwargs
     check_shared_tokenizer(tokenizer, teacher_tokenizer, f"--teacher_model_name_or_path {spec}")
     return frozen(accelerator, lambda: load_causal_lm(path, attn_implementation))
+
+
+class EmaTeacher:
+    """`--teacher_model_kind ema` (TRL's SDFT): a frozen copy of the student, placed as `frozen` places any model,
+    moved toward the student after every `sync_steps`-th optimizer step, teacher <- (1 - rate) teacher + rate student
+    (TRL's SyncRefModelCallback maths). Shard by shard: the two models are sharded alike, so each process averages
+    what it holds (Sharding.local), no gather. What it holds and its step count are per-process state (a checkpoint's
+    rank-<i>.pt, through checkpoint.PerRank)."""
+
+    def __init__(self, accelerator, student: Trainable, loader, rate: float, sync_steps: int):
+        self.model = frozen(accelerator, loader)
+        self.student, self.local = student, accelerator.sharding.local
+        self.rate, self.sync_steps, self.steps = rate, sync_steps, 0
+        mine, theirs = self._params()
+        if mine.keys() != theirs.keys():
+            odd = sorted(mine.keys() ^ theirs.keys())[:3]
+            raise ValueError(f"the EMA teacher's parameters are not the student's: {odd}")
+
+    def _params(self) -> tuple[dict, dict]:
+        from accelerate.utils import extract_model_from_parallel
+
+        return (dict(extract_model_from_parallel(self.model).named_parameters()),
+                dict(self.student.unwrapped().named_parameters()))
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Call after each optimizer step of the student."""
+        self.steps += 1
+        if self.steps % self.sync_steps == 0:
+            mine, theirs = self._params()
+            for name, p in mine.items():
+                held = self.local(p)
+                held.lerp_(self.local(theirs[name]).to(held.dtype), self.rate)
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "weights": {n: self.local(p).detach().cpu().clone()
+                                                 for n, p in self._params()[0].items()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = state["steps"]
+        for name, p in self._params()[0].items():
+            self.local(p).copy_(state["weights"][name])
+
+
+def self_teacher(accelerator, student: Trainable, kind: str, model_path: str, attn_implementation: str | None,
+                 lora: bool, rate: float, sync_steps: int) -> tuple[nn.Module, EmaTeacher | None]:
+    """Self-distillation's teacher, the student itself (`--teacher_model_kind`, TRL's SDFT kinds): `live` the student
+    as it is now (run without gradients), `base` its initial weights (frozen; with `lora` the student with its adapter
+    disabled, no second copy), `ema` an EmaTeacher. -> (the model the teacher's forward runs, the EmaTeacher or
+    None)."""
+    if kind == "live":
+        return student.model, None
+    if kind == "base":
+        from verl_kit.models.lora import reference
+
+        return (reference(student.model) if lora
+                else frozen(accelerator, lambda: load_causal_lm(model_path, attn_implementation))), None
+    ema = EmaTeacher(accelerator, student, lambda: load_causal_lm(model_path, attn_implementation), rate, sync_steps)
+    return ema.model, ema
