@@ -225,7 +225,8 @@ class BatchConfig(Config):
     token budget per pass. The same sums either way, so a resume may change any of them but the batch size."""
 
     RESUME: ClassVar[dict] = dict.fromkeys(("per_device_eval_batch_size", "packing", "packing_length",
-                                            "max_tokens_per_microbatch", "memory_limit_gib"), "free")
+                                            "max_tokens_per_microbatch", "memory_limit_gib", "memory_fraction"),
+                                           "free")
 
     per_device_train_batch_size: int = field(default=8, metadata={"help": "examples per process per micro-step"})
     per_device_eval_batch_size: int = field(default=16, metadata={
@@ -235,17 +236,41 @@ class BatchConfig(Config):
     packing_length: int = field(default=512, metadata={
         "help": "tokens per packed row; attention runs per sequence within a row (sdpa, flash_attention_2), so a "
                 "longer row costs its tokens, not their square (docs/memory.md)"})
-    max_tokens_per_microbatch: int | None = field(default=None, metadata={
-        "help": "token budget per forward pass; splits each step's examples by tokens instead of by count"})
+    max_tokens_per_microbatch: str | None = field(default="auto", metadata={
+        "help": "token budget per forward pass: a number splits each step's examples by tokens instead of by count; "
+                "auto: no split unless the memory plan says a micro-batch would not fit --memory_fraction of the "
+                "run's memory, then the largest budget that does (logged; a resume keeps its checkpoint's); none: "
+                "never split (docs/memory.md)"})
     memory_limit_gib: float | None = field(default=None, metadata={
         "help": "GiB each training process may use, for the memory plan at start (docs/memory.md); default: the "
                 "machine's, the cgroup's and the rlimits' smallest, shared by the node's processes"})
+    memory_fraction: float = field(default=0.85, metadata={
+        "help": "--max_tokens_per_microbatch auto: the share of the run's memory (--memory_limit_gib or the "
+                "machine's) the plan fills at most before it splits micro-batches by tokens"})
 
     def __post_init__(self):
         super().__post_init__()
         self.at_least(1, "per_device_train_batch_size", "packing_length")
         if self.memory_limit_gib is not None and not self.memory_limit_gib > 0:
             raise UserError(f"--memory_limit_gib {self.memory_limit_gib}: use a positive number of GiB")
+        if not 0 < self.memory_fraction <= 1:
+            raise UserError(f"--memory_fraction {self.memory_fraction}: use a share in (0, 1]")
+        raw = self.max_tokens_per_microbatch
+        text = str(raw).strip().lower() if raw is not None else "none"
+        if text in ("auto", "none"):
+            self.max_tokens_per_microbatch = None if text == "none" else "auto"
+        elif text.isdigit() and int(text) > 0:
+            self.max_tokens_per_microbatch = int(text)
+        else:
+            raise UserError(f"--max_tokens_per_microbatch {raw}: use a positive number of tokens, auto or none")
+        self.chosen_token_budget = None  # what the memory plan chose under auto (train.memory_plan), or a resume
+
+    @property
+    def token_budget(self) -> int | None:
+        """Tokens per forward pass at most, or None (split by count): the number given, or under auto the memory
+        plan's choice (None where everything fits)."""
+        auto = self.max_tokens_per_microbatch == "auto"
+        return self.chosen_token_budget if auto else self.max_tokens_per_microbatch
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """recipes/distill.py in the slow tier: the student learning from an SFT teacher, self-distillation learning what
-its privileged context teaches, and ZeRO-3 x2 against one process with kill -9 / resume. (The losses by hand: tests/algos/test_distill_losses.py; the teacher/student tokenizer check:
-tests/models/test_loading.py.)"""
+its privileged context teaches, and ZeRO-3 x2 against one process with kill -9 / resume. (The losses by hand:
+tests/algos/test_distill_losses.py; the teacher/student tokenizer check: tests/models/test_loading.py.)"""
 
 import json
 import math

@@ -85,7 +85,8 @@ def test_ppo_zero3_two_processes_resume_bit_identical(tmp_path, tiny_model_path)
     assert sorted(numbers(b)) == [0, 1, 2, 3, 4]  # step 0: the held-out evaluation before any update
     assert ra[4]["kl_coef"] != ra[1]["kl_coef"]  # the adaptive controller moved, and was restored on resume
 
-    run(zero3(tmp_path / "f2", config=trl_fsdp2_config(tmp_path)), timeout=300)  # its models built empty off rank 0
+    # its models built empty off rank 0; the 2 steps compared (a constant LR: max_steps changes no value)
+    run(zero3(tmp_path / "f2", "--max_steps", "2", config=trl_fsdp2_config(tmp_path)), timeout=300)
     rf = numbers(tmp_path / "f2")
     for step in (1, 2):
         for k in ("reward/mean", "kl", "actor/pg_loss", "actor/entropy", "critic/vf_loss", "grad_norm",

@@ -91,12 +91,12 @@ import json, os, sys, time
 sys.path[:0] = [{tests!r}, {tests!r} + "/.."]  # this folder's test modules, and tests/helpers.py
 import torch
 from test_vllm import encode, long_seeded, load_hf, train_step, hf_greedy, rows, hf_sampling_logprobs, PROBE_TEXTS
-from verl_kit.models import load_tokenizer, resolve_model_path
+from verl_kit.models import load_tokenizer
 from verl_kit.rollout import SamplingParams
 from verl_kit.rollout import VLLMColocated, default_probe_threshold
 
 if __name__ == "__main__":
-    path = resolve_model_path("tiny-llama")
+    path = {path!r}  # the tied tiny model: one tensor for the embedding and the output layer, as in SmolLM2
     tok = load_tokenizer(path)
     prompts = encode(tok, PROBE_TEXTS)
     model = load_hf(path)
@@ -146,6 +146,12 @@ if __name__ == "__main__":
     out["episodes"] = vllm_episodes(engine, tok)
     from test_agents import agent_episodes  # an OpenAI-SDK agent through the endpoint on this engine, token-exact
     out["agents"] = agent_episodes(engine, tok, seed=7)
+    # the engine-side half of the tied-layout fix alone: a trainer that names each tensor once (no aliases sent)
+    import verl_kit.rollout.weight_sync as weight_sync
+    from test_weight_sync import sync_check
+    named_tensors = weight_sync.named_tensors
+    weight_sync.named_tensors = lambda m: [(names[:1], p) for names, p in named_tensors(m)]
+    out["sync_first_names_only"] = sync_check(engine, fresh, tok, prompts)
     engine.close()
     print("RESULT " + json.dumps(out), flush=True)
 '''
@@ -153,9 +159,16 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_colocated_generate_sync_probe():
+def test_colocated_generate_sync_probe(tiny_tied_path):
+    """The colocated engine on the tied tiny model: sampling log-probs, seeds, greedy before and after an exact sync
+    (every tensor under each of its names; and, test_weight_sync.sync_check, the engine alone resolving the alias
+    when the trainer names the tied tensor once), the probe catching an unsynced trainer, episodes and an agent
+    through it token-exact."""
+    from test_weight_sync import assert_synced
+
     t0 = time.time()
-    out = run_driver(DRIVER.format(tests=str(Path(__file__).parent)), timeout=420, VLLM_HOST_IP="127.0.0.1")
+    out = run_driver(DRIVER.format(tests=str(Path(__file__).parent), path=tiny_tied_path), timeout=420,
+                     VLLM_HOST_IP="127.0.0.1")
     print(f"colocated driver {time.time() - t0:.1f}s: {out}")
     assert out["n_prompts"] == 12 and out["shape"][0] == 12 and out["shape"][1] <= 6
     assert out["mask_sum"] > 12
@@ -165,7 +178,7 @@ def test_colocated_generate_sync_probe():
     assert out["greedy_changed"], "the training step must change greedy outputs for the test to mean anything"
     assert out["greedy_after"]
     m = out["metrics"]
-    assert m["rollout/logprob_max_abs_diff"] < 1e-4  # the untied layout's exact sync (measured ~1e-6)
+    assert m["rollout/logprob_max_abs_diff"] < 1e-4  # the tied layout's exact sync (measured ~1e-6)
     assert m["sync/buckets"] > 3  # 0.05 MiB buckets: never the whole model at once
     assert m["sync/bytes"] > 0
     assert out["version"] == 1
@@ -174,6 +187,7 @@ def test_colocated_generate_sync_probe():
     assert out["env_left"] == []  # the engine's CPU settings do not reach processes started later
     assert out["episodes"]["continued"] >= 2, out["episodes"]  # tests/rollout/test_episodes.py: episode_is_token_exact
     assert out["agents"]["merged"] >= 2 and out["agents"]["split"] >= 2, out["agents"]  # test_agents: agent_episodes
+    assert_synced(out["sync_first_names_only"])
 
 
 # ---- the session's shared server (conftest.vllm_server) ---------------------------------------------------------

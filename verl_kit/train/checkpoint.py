@@ -139,10 +139,11 @@ def _room(output_dir: str) -> str:
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: dict, run_id: str, per_rank=None,
-                    run: dict | None = None) -> str:
+                    run: dict | None = None, extra: dict | None = None) -> str:
     """Checkpoint `step` of run `run_id` (`model`: the MODEL_FLAGS values, checked on resume; `run`:
     run_fingerprint's data hash and maths flags, compared on resume), keeping the last `keep` of this run's
-    checkpoints (the ones recording `run_id`: Checkpoints.run_id). `per_rank`: an object with
+    checkpoints (the ones recording `run_id`: Checkpoints.run_id); `extra`: more of the trainer state (the token
+    budget --max_tokens_per_microbatch auto chose). `per_rank`: an object with
     state_dict()/load_state_dict() whose state differs between processes (saved by each, as rank-<i>.pt;
     accelerate's custom objects are saved by the main process only). Every rank first checks that its trainable
     weights are finite (refused in one line otherwise) and that its device has room (_room); the files are written
@@ -177,7 +178,8 @@ def save_checkpoint(accelerator, output_dir: str, step: int, keep: int, model: d
     if accelerator.is_main_process:  # the commit: trainer_state.json (the marker) written last, then the rename
         try:
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
-                json.dump({"step": step, "run_id": run_id, "model": model, **({"run": run} if run else {})}, f)
+                json.dump({"step": step, "run_id": run_id, "model": model, **({"run": run} if run else {}),
+                           **(extra or {})}, f)
             replace_dir(tmp, final)  # fsync of every file and directory (trainer_state.json too), then the rename
         except Exception as e:
             failure.note(e, output_dir)
@@ -270,9 +272,10 @@ class Checkpoints:
            the earlier run's checkpoints and final/ (without it make_accelerator has refused a used --output_dir);
         2. `--resume_from_checkpoint` ('auto' or a path): every prepared model, optimizer, scheduler and RNG (and
            `per_rank`'s state) is restored, after checking that the run's model, data and maths flags are the
-           checkpoint's. With 'auto', a checkpoint that does not load (a truncated shard) is skipped for the next
-           older one, with a warning. Checkpoints newer than the one resumed are moved to <output_dir>/superseded/,
-           so that a later 'auto' never returns to them;
+           checkpoint's; under --max_tokens_per_microbatch auto the checkpoint's token budget is kept. With 'auto', a
+           checkpoint that does not load (a truncated shard) is skipped for the next older one, with a warning.
+           Checkpoints newer than the one resumed are moved to <output_dir>/superseded/, so that a later 'auto' never
+           returns to them;
         3. from here on SIGTERM and SIGUSR1 save at the next step boundary and exit (save_if_due), and the clock of
            --save_interval_minutes starts.
         Returns the step to continue from, 0 when there is nothing to resume."""
@@ -291,6 +294,11 @@ class Checkpoints:
                                "not needed)", path, os.path.basename(p).split(".")[0], p)
         accelerator.wait_for_everyone()
         self.run_id = (state or {}).get("run_id") or self.run_id
+        if state and "token_budget" in state and cfg.max_tokens_per_microbatch == "auto":
+            if state["token_budget"] != cfg.token_budget and accelerator.is_main_process:
+                logger.info("--max_tokens_per_microbatch auto: %s keeps its budget %s (the plan chose %s now)", path,
+                            state["token_budget"], cfg.token_budget)
+            cfg.chosen_token_budget = state["token_budget"]  # the same micro-batches: the same sums
         self.last_save = time.monotonic()
         self.stop.arm(announce=accelerator.is_main_process)
         return state["step"] if state else 0
@@ -326,8 +334,10 @@ class Checkpoints:
 
     def save(self, step: int) -> str:
         """Checkpoint `step` now (save_checkpoint), keeping --save_total_limit of this run's checkpoints."""
+        auto = self.cfg.max_tokens_per_microbatch == "auto"
         path = save_checkpoint(self.accelerator, self.cfg.output_dir, step, self.cfg.save_total_limit,
-                               model_flags(self.cfg), self.run_id, self.per_rank, self.fingerprint())
+                               model_flags(self.cfg), self.run_id, self.per_rank, self.fingerprint(),
+                               {"token_budget": self.cfg.token_budget} if auto else None)
         self.last_save = time.monotonic()
         return path
 

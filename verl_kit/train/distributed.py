@@ -181,11 +181,11 @@ def destroy(stop: int = 0) -> None:
 
 def micro_batches(cfg: BatchConfig, items: list, costs: list[int]) -> list[list]:
     """Split this process's `items` of a step into micro-batches (lists of items, in order): by token budget when
-    `cfg.max_tokens_per_microbatch` is set (`costs` = tokens per item; in as many balanced chunks as the busiest
-    process needs, so every process runs the same number: ZeRO-3 runs forward passes in lockstep), else
-    `cfg.per_device_train_batch_size` items at a time."""
-    if cfg.max_tokens_per_microbatch:
-        n = int(all_reduce_max(len(split_by_tokens(costs, cfg.max_tokens_per_microbatch))))
+    `cfg.token_budget` is set (--max_tokens_per_microbatch, or the memory plan's choice under auto; `costs` = tokens
+    per item; in as many balanced chunks as the busiest process needs, so every process runs the same number: ZeRO-3
+    runs forward passes in lockstep), else `cfg.per_device_train_batch_size` items at a time."""
+    if cfg.token_budget:
+        n = int(all_reduce_max(len(split_by_tokens(costs, cfg.token_budget))))
         return [[items[i] for i in c] for c in split_by_tokens(costs, None, n_chunks=n)]
     size = cfg.per_device_train_batch_size
     return [items[i:i + size] for i in range(0, len(items), size)]

@@ -231,17 +231,24 @@ def plan(accelerator, tc, model_path: str, costs: list[int], *, frozen: tuple[st
     frozen_params = [parameter_count(p) for p in frozen]
     frozen_bytes = sum(frozen_params) * 4 / state_div
     bf16 = bool(getattr(tc, "bf16", False))
-    tokens = largest_microbatch(costs, tc.per_device_train_batch_size, tc.max_tokens_per_microbatch)
-    acts = activation_bytes(config, tokens, tc.gradient_checkpointing, bf16)
-    tile = 3 * min(tokens, TILE) * min(config.vocab_size, TILE) * 4
-    terms = {"model state": state / GIB, "frozen models": frozen_bytes / GIB, "activations": acts / GIB,
-             "LM-head tiles": tile / GIB}
+    terms = {"model state": state / GIB, "frozen models": frozen_bytes / GIB}
     notes = {"model state": f"{sum(trained) / 1e6:.1f}M trained x {per_param:g} B"
                             + (f" + a {n_policy / 1e6:.0f}M frozen base" if lora else "") + f" ({name})",
-             "frozen models": f"{sum(frozen_params) / 1e6:.1f}M x {4 / state_div:g} B" if frozen else "none",
-             "activations": f"{tokens} tokens x {config.num_hidden_layers} layers, "
-                            f"{'with' if tc.gradient_checkpointing else 'no'} gradient checkpointing",
-             "LM-head tiles": f"{min(tokens, TILE)} x {min(config.vocab_size, TILE)} fp32 x 3"}
+             "frozen models": f"{sum(frozen_params) / 1e6:.1f}M x {4 / state_div:g} B" if frozen else "none"}
+
+    def per_microbatch(budget: int | None) -> dict:
+        """The terms that grow with a micro-batch's tokens, and their notes."""
+        tokens = largest_microbatch(costs, tc.per_device_train_batch_size, budget)
+        acts = activation_bytes(config, tokens, tc.gradient_checkpointing, bf16)
+        tile = 3 * min(tokens, TILE) * min(config.vocab_size, TILE) * 4
+        split = f", at most {budget} a micro-batch" if budget else ""
+        return {"activations": (acts / GIB, f"{tokens} tokens x {config.num_hidden_layers} layers, "
+                                            f"{'with' if tc.gradient_checkpointing else 'no'} gradient "
+                                            f"checkpointing{split}"),
+                "LM-head tiles": (tile / GIB, f"{min(tokens, TILE)} x {min(config.vocab_size, TILE)} fp32 x 3")}
+
+    for key, (gib, note) in per_microbatch(tc.token_budget).items():
+        terms[key], notes[key] = gib, note
     if engine == "hf":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv = 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", config.num_attention_heads) \
@@ -257,10 +264,43 @@ def plan(accelerator, tc, model_path: str, costs: list[int], *, frozen: tuple[st
     terms["this process"] = rss / GIB
     notes["this process"] = "resident now (Python, torch, the libraries)"
     out = MemoryPlan(terms, notes, budget(local, tc.memory_limit_gib, gpu_engine_share), local)
+    if tc.max_tokens_per_microbatch == "auto":
+        chosen = auto_budget(out, costs, tc, per_microbatch, accelerator)
+        for key, (gib, note) in per_microbatch(chosen).items():
+            out.terms[key], out.notes[key] = gib, note
+        tc.chosen_token_budget = chosen
     if accelerator.is_main_process:
         logger.info(out.table())
     out.check()
     return out
+
+
+def auto_budget(plan: MemoryPlan, costs: list[int], tc, per_microbatch, accelerator) -> int | None:
+    """--max_tokens_per_microbatch auto: None (micro-batches of --per_device_train_batch_size items, as with a number
+    unset) where the plan fits --memory_fraction of the run's memory; otherwise the largest token budget whose
+    micro-batch terms fit beside the others, bisected over budgets from the longest item to the unsplit micro-batch
+    (never below one item: a run that does not fit then is refused by MemoryPlan.check). The same on every process
+    (the smallest of theirs: their resident sizes differ a little)."""
+    from verl_kit.train.distributed import all_reduce_max
+
+    room = tc.memory_fraction * plan.budget.limit
+    grows = lambda b: sum(gib for gib, _ in per_microbatch(b).values())  # noqa: E731
+    fixed = plan.total - grows(None)
+    chosen = None
+    if plan.total > room and costs:
+        lo, hi = max(costs), largest_microbatch(costs, tc.per_device_train_batch_size, None)
+        if lo < hi and fixed + grows(lo) <= room:
+            while hi - lo > 1:  # fixed + grows(lo) fits, fixed + grows(hi) does not
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fixed + grows(mid) <= room else (lo, mid)
+            chosen = lo
+    agreed = -all_reduce_max(-float(chosen if chosen is not None else "inf"))
+    chosen = None if agreed == float("inf") else int(agreed)
+    if chosen is not None and accelerator.is_main_process:
+        logger.info("memory plan: micro-batches of at most %d tokens (--max_tokens_per_microbatch auto: unsplit, the "
+                    "plan's %.2f GiB exceeds --memory_fraction %.2f of %.2f GiB)", chosen, plan.total,
+                    tc.memory_fraction, plan.budget.limit)
+    return chosen
 
 
 def _rss_now() -> int:
