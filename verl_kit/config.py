@@ -236,7 +236,7 @@ class BatchConfig(Config):
     packing_length: int = field(default=512, metadata={
         "help": "tokens per packed row; attention runs per sequence within a row (sdpa, flash_attention_2), so a "
                 "longer row costs its tokens, not their square (docs/memory.md)"})
-    max_tokens_per_microbatch: str | None = field(default="auto", metadata={
+    max_tokens_per_microbatch: int | str | None = field(default="auto", metadata={
         "help": "token budget per forward pass: a number splits each step's examples by tokens instead of by count; "
                 "auto: no split unless the memory plan says a micro-batch would not fit --memory_fraction of the "
                 "run's memory, then the largest budget that does (logged; a resume keeps its checkpoint's); none: "

@@ -23,10 +23,10 @@ from verl_kit.launch.cluster import launch_command, parse
 HEAD_IP, WORKER_IP = "10.200.0.1", "10.200.0.2"
 DASHBOARD = f"http://{HEAD_IP}:8265"
 NODE_TIMEOUT_S = 30
-# 20 steps with a checkpoint every 5: a node is killed after checkpoint-10 (10 steps still to go), frozen after
-# checkpoint-5; short enough for 2 CPU cores.
-STEPS = 20
-RECIPE_ARGS = ["--max_steps", str(STEPS), "--logging_steps", "1", "--save_steps", "5", "--dataset_test_split", "none"]
+# 12 steps with a checkpoint every 3: a node is killed after checkpoint-6 (6 steps still to go), frozen after
+# checkpoint-3; short enough for 2 CPU cores.
+STEPS = 12
+RECIPE_ARGS = ["--max_steps", str(STEPS), "--logging_steps", "1", "--save_steps", "3", "--dataset_test_split", "none"]
 
 
 def test_launch_command_adds_the_multi_node_fields():
@@ -284,9 +284,9 @@ def test_killed_node_fails_the_job_in_bound_then_resume_completes(cluster, local
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.time() + 200
-        while not os.path.isfile(f"{out}/checkpoint-10/trainer_state.json"):
+        while not os.path.isfile(f"{out}/checkpoint-6/trainer_state.json"):
             assert job.poll() is None, f"job ended early ({job.returncode}):\n{job.stdout.read()[-6000:]}"
-            assert time.time() < deadline, "no checkpoint-10"
+            assert time.time() < deadline, "no checkpoint-6"
             time.sleep(0.1)
         mine = f"recipes/dpo.py {' '.join(RECIPE_ARGS)} --output_dir {out}"  # this job's, not another run's
         victims = [int(line.split(":")[0]) for line in _procs_with(mine)
@@ -306,7 +306,7 @@ def test_killed_node_fails_the_job_in_bound_then_resume_completes(cluster, local
     print(f"job failed {took:.1f}s after the kill")
     _assert_nothing_left(cluster, out)
 
-    assert os.path.isfile(f"{out}/checkpoint-10/fsdp2_0/.metadata")
+    assert os.path.isfile(f"{out}/checkpoint-6/fsdp2_0/.metadata")
     p = subprocess.run(cluster.run_cmd(out, "--resume_from_checkpoint", "auto", config="fsdp2.yaml"), cwd=REPO,
                        env=_clean_env(), capture_output=True, text=True, timeout=240)
     log = p.stdout + p.stderr
@@ -370,9 +370,9 @@ def test_frozen_node_fails_the_job_by_heartbeat(cluster, tmp_path):
     frozen: list[int] = []
     try:
         deadline = time.time() + 200
-        while not os.path.isfile(f"{out}/checkpoint-5/trainer_state.json"):
+        while not os.path.isfile(f"{out}/checkpoint-3/trainer_state.json"):
             assert job.poll() is None, f"job ended early ({job.returncode}):\n{job.stdout.read()[-6000:]}"
-            assert time.time() < deadline, "no checkpoint-5"
+            assert time.time() < deadline, "no checkpoint-3"
             time.sleep(0.1)
         frozen = _ns_pids(cluster.worker_ns)
         for pid in frozen:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import ssl
 import time
 
 import torch
@@ -153,7 +154,7 @@ class LLMJudge:
             raise UserError(f"LLMJudge max_score={max_score}: use a whole number >= 1")
         self.base_url, self.model, self.rubric, self.max_score = base_url.rstrip("/"), model, rubric, int(max_score)
         self.api_key = api_key or os.environ.get(api_key_env) or None
-        self.verify, self.temperature, self.max_tokens = ca_file or True, temperature, max_tokens
+        self.ca_file, self.temperature, self.max_tokens = ca_file, temperature, max_tokens
         self.structured_output, self.request_timeout_s = structured_output, request_timeout_s
         self.__name__ = name  # the reward's metric name (rewards/<name>/...)
 
@@ -179,7 +180,9 @@ class LLMJudge:
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         out = []
-        async with httpx.AsyncClient(verify=self.verify, timeout=self.request_timeout_s, headers=headers) as client:
+        # httpx takes a CA file as an SSL context (a path string is deprecated there)
+        verify = ssl.create_default_context(cafile=self.ca_file) if self.ca_file else True
+        async with httpx.AsyncClient(verify=verify, timeout=self.request_timeout_s, headers=headers) as client:
             for i, (prompt, completion) in enumerate(zip(prompts, completions)):
                 row = {k: v[i] for k, v in columns.items() if k != "completion_ids"}
                 r = await client.post(self.base_url + "/chat/completions", json=self.body(prompt, completion, row))
