@@ -39,28 +39,11 @@ from verl_kit.metrics import MetricsLogger, Timer
 
 @dataclass
 class DistillConfig(config.Config):
-    """Distillation's own knobs: the teacher, the loss, the task reward's weight; the rest of its flags are the
-    online roles (no environments: the teacher scores single-turn samples)."""
+    """Distillation's own knobs: the loss and the task reward's weight; the teacher is config.TeacherConfig, the rest
+    of its flags are the online roles (no environments: the teacher scores single-turn samples)."""
 
-    CHOICES: ClassVar[dict] = {"loss_type": ("reverse_kl", "jsd"), "teacher_model_kind": (None, "base", "live", "ema")}
+    CHOICES: ClassVar[dict] = {"loss_type": ("reverse_kl", "jsd")}
 
-    teacher_model_name_or_path: str | None = field(default=None, metadata={
-        "help": "the frozen teacher (HF id or local path; this or --teacher_model_kind): same tokenizer as the "
-                "student, may be larger; sharded like a reference model under ZeRO-3 (TRL's flag)"})
-    teacher_model_kind: str | None = field(default=None, metadata={
-        "help": "self-distillation (TRL's SDFT): the teacher is the student itself reading each prompt with its "
-                "row's privileged_context (--teacher_prompt_template): base (the initial weights, frozen), live (the "
-                "current weights) or ema (an exponential average, --teacher_update_rate); instead of "
-                "--teacher_model_name_or_path"})
-    teacher_prompt_template: str = field(default="{prompt}\n\n{privileged_context}", metadata={
-        "help": "the teacher's prompt wherever the data has a privileged_context column (self-distillation needs "
-                "it): the row's prompt (with chat messages: the last user message's text) and its privileged "
-                "context filled in"})
-    teacher_update_rate: float = field(default=0.05, metadata={
-        "help": "--teacher_model_kind ema: teacher <- (1 - rate) teacher + rate student every --teacher_sync_steps "
-                "optimizer steps (1.0: a copy of the student)"})
-    teacher_sync_steps: int = field(default=1, metadata={
-        "help": "--teacher_model_kind ema: optimizer steps between teacher updates"})
     loss_type: str = field(default="reverse_kl", metadata={
         "help": "reverse_kl (per-token advantage -(log p_student - log q_teacher) of the sampled token, clipped "
                 "policy loss) or jsd (TRL's generalized JSD over the full vocabulary, see --beta)"})
@@ -77,17 +60,9 @@ class DistillConfig(config.Config):
 
     def __post_init__(self):
         super().__post_init__()
-        if bool(self.teacher_model_name_or_path) == bool(self.teacher_model_kind):
-            raise UserError("give one of --teacher_model_name_or_path (a frozen model the student learns from) and "
-                            "--teacher_model_kind base|live|ema (self-distillation)")
-        if "{prompt}" not in self.teacher_prompt_template or "{privileged_context}" not in self.teacher_prompt_template:
-            raise UserError(f"--teacher_prompt_template {self.teacher_prompt_template!r}: must hold both {{prompt}} "
-                            "and {privileged_context}")
-        if not 0.0 < self.teacher_update_rate <= 1.0:
-            raise UserError(f"--teacher_update_rate {self.teacher_update_rate}: must be in (0, 1]")
         if not 0.0 <= self.beta <= 1.0:
             raise UserError(f"--beta {self.beta}: the JSD interpolation coefficient must be in [0, 1]")
-        self.at_least(1, "num_generations", "num_iterations", "num_mini_batches", "teacher_sync_steps")
+        self.at_least(1, "num_generations", "num_iterations", "num_mini_batches")
         if self.loss_type == "reverse_kl" and self.beta != 1.0:
             config.warn(f"--beta {self.beta} has no effect with --loss_type reverse_kl")
 
@@ -99,9 +74,6 @@ class DistillConfig(config.Config):
         if cfg.rollout.curriculum != "none" and not cfg.rewards.any:
             raise UserError("--curriculum difficulty draws prompts by their solve rates: it needs a --reward_fn (or "
                             "--reward_model_name_or_path)")
-        if self.teacher_model_kind == "ema" and cfg.train.use_peft:
-            raise UserError("--teacher_model_kind ema with --use_peft: not supported (the average of a LoRA student "
-                            "is not a LoRA model); use base or live")
 
     @property
     def one_update(self) -> bool:
@@ -109,9 +81,9 @@ class DistillConfig(config.Config):
         return self.num_iterations * self.num_mini_batches == 1
 
 
-ARGS = {"distill": DistillConfig, "train": config.TrainConfig, "rollout": config.RolloutConfig,
-        "vllm": config.VLLMConfig, "rewards": config.RewardConfig, "ratio": config.RatioConfig,
-        "entropy": config.EntropyConfig}
+ARGS = {"distill": DistillConfig, "teacher": config.TeacherConfig, "train": config.TrainConfig,
+        "rollout": config.RolloutConfig, "vllm": config.VLLMConfig, "rewards": config.RewardConfig,
+        "ratio": config.RatioConfig, "entropy": config.EntropyConfig}
 
 
 def for_teacher(ro, ids: list[list[int]] | None):
@@ -130,7 +102,7 @@ def teacher_view(disagreement: torch.Tensor, response_ids: torch.Tensor, n: int,
 @main_guard
 def main():
     cfg = config.parse(**ARGS)
-    dist, flags = cfg.distill, cfg.flags()
+    dist, teach, flags = cfg.distill, cfg.teacher, cfg.flags()
     accelerator = train.make_accelerator(cfg.train)
     world, device = accelerator.num_processes, accelerator.device
 
@@ -142,23 +114,22 @@ def main():
     attn = cfg.train.attn_implementation
     # where the rows have a privileged_context (self-distillation needs one), the teacher reads it with the prompt
     sees = None
-    if dist.teacher_model_kind or any(data.PRIVILEGED in r for r in prompts.rows):
+    if teach.teacher_model_kind or any(data.PRIVILEGED in r for r in prompts.rows):
         limit = cfg.train.max_length - cfg.rollout.max_completion_length
-        sees = [data.teacher_prompts(split, tokenizer, dist.teacher_prompt_template, limit, source)
+        sees = [data.teacher_prompts(split, tokenizer, teach.teacher_prompt_template, limit, source)
                 for split, source in ((prompts, cfg.train.train_source), (held_out, cfg.train.test_source))]
     # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
-    copies = (() if dist.teacher_model_kind == "live" or (dist.teacher_model_kind and cfg.train.use_peft)
-              else (models.resolve_model_path(dist.teacher_model_name_or_path or model_path),))
-    memory = train.plan_memory(accelerator, cfg.train, model_path, prompts.ids, frozen=copies,
+    memory = train.plan_memory(accelerator, cfg.train, model_path, prompts.ids,
+                               frozen=teach.frozen_copies(model_path, cfg.train.use_peft),
                                rollout=cfg.rollout, vllm=cfg.vllm)
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
     actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)  # the student
     ema = None  # --teacher_model_kind ema: the average of the student, moved after each optimizer step
-    if dist.teacher_model_kind:  # self-distillation: the student itself (live), its initial weights, or their EMA
-        teacher, ema = train.self_teacher(accelerator, actor, dist.teacher_model_kind, model_path, attn,
-                                          cfg.train.use_peft, dist.teacher_update_rate, dist.teacher_sync_steps)
+    if teach.teacher_model_kind:  # self-distillation: the student itself (live), its initial weights, or their EMA
+        teacher, ema = train.self_teacher(accelerator, actor, teach.teacher_model_kind, model_path, attn,
+                                          cfg.train.use_peft, teach.teacher_update_rate, teach.teacher_sync_steps)
     else:  # frozen, ZeRO-3 sharded like a reference; its tokenizer checked to be the student's (one line otherwise)
-        teacher = train.load_teacher(accelerator, dist.teacher_model_name_or_path, tokenizer, attn)
+        teacher = train.load_teacher(accelerator, teach.teacher_model_name_or_path, tokenizer, attn)
     widths = (actor.unwrapped().config.vocab_size, getattr(teacher, "module", teacher).config.vocab_size)
     if dist.loss_type == "jsd" and widths[0] != widths[1]:
         raise UserError(f"--loss_type jsd compares whole distributions: the student has {widths[0]} logits and the "

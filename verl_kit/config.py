@@ -690,6 +690,58 @@ class EntropyConfig(Config):
 
 
 @dataclass
+class TeacherConfig(Config):
+    """Distillation's teacher (recipes/distill.py): a frozen model, or the student itself reading a privileged
+    context (self-distillation, TRL 1.16's SDFT names; docs/distill.md)."""
+
+    CHOICES: ClassVar[dict] = {"teacher_model_kind": (None, "base", "live", "ema")}
+
+    teacher_model_name_or_path: str | None = field(default=None, metadata={
+        "help": "the frozen teacher (HF id or local path; this or --teacher_model_kind): same tokenizer as the "
+                "student, may be larger; sharded like a reference model under ZeRO-3 (TRL's flag)"})
+    teacher_model_kind: str | None = field(default=None, metadata={
+        "help": "self-distillation (TRL's SDFT): the teacher is the student itself reading each prompt with its "
+                "row's privileged_context (--teacher_prompt_template): base (the initial weights, frozen), live (the "
+                "current weights) or ema (an exponential average, --teacher_update_rate); instead of "
+                "--teacher_model_name_or_path"})
+    teacher_prompt_template: str = field(default="{prompt}\n\n{privileged_context}", metadata={
+        "help": "the teacher's prompt wherever the data has a privileged_context column (self-distillation needs "
+                "it): the row's prompt (with chat messages: the last user message's text) and its privileged "
+                "context filled in"})
+    teacher_update_rate: float = field(default=0.05, metadata={
+        "help": "--teacher_model_kind ema: teacher <- (1 - rate) teacher + rate student every --teacher_sync_steps "
+                "optimizer steps (1.0: a copy of the student)"})
+    teacher_sync_steps: int = field(default=1, metadata={
+        "help": "--teacher_model_kind ema: optimizer steps between teacher updates"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if bool(self.teacher_model_name_or_path) == bool(self.teacher_model_kind):
+            raise UserError("give one of --teacher_model_name_or_path (a frozen model the student learns from) and "
+                            "--teacher_model_kind base|live|ema (self-distillation)")
+        if "{prompt}" not in self.teacher_prompt_template or "{privileged_context}" not in self.teacher_prompt_template:
+            raise UserError(f"--teacher_prompt_template {self.teacher_prompt_template!r}: must hold both {{prompt}} "
+                            "and {privileged_context}")
+        if not 0.0 < self.teacher_update_rate <= 1.0:
+            raise UserError(f"--teacher_update_rate {self.teacher_update_rate}: must be in (0, 1]")
+        self.at_least(1, "teacher_sync_steps")
+
+    def check_with(self, cfg: Args) -> None:
+        if self.teacher_model_kind == "ema" and cfg.train.use_peft:
+            raise UserError("--teacher_model_kind ema with --use_peft: not supported (the average of a LoRA student "
+                            "is not a LoRA model); use base or live")
+
+    def frozen_copies(self, model_path: str, use_peft: bool) -> tuple[str, ...]:
+        """The models the memory plan counts for this teacher: the external one, or a frozen copy of the student
+        (base, ema) where it is not the student itself (live) or its adapter-less view (base with --use_peft)."""
+        if self.teacher_model_kind == "live" or (self.teacher_model_kind and use_peft):
+            return ()
+        from verl_kit.models.loading import resolve_model_path
+
+        return (resolve_model_path(self.teacher_model_name_or_path or model_path),)
+
+
+@dataclass
 class RatioConfig(Config):
     """The online recipes' policy ratio: pi / pi_old, its clip range and where pi_old's log-probs come from, and the
     correction for the engine's own numerics, pi_old / mu (verl_kit.algos.off_policy)."""
