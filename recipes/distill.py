@@ -199,37 +199,39 @@ def main():
 
         # 4. updates: num_iterations passes over the batch, num_mini_batches optimizer steps each, token mean
         tally, grad_norms = train.Tally(), []
-        updates = train.updates(cfg.train, step, costs, dist.num_iterations, dist.num_mini_batches)
+        updates = train.updates(cfg.train, step, costs, dist.num_iterations, dist.num_mini_batches,
+                                (actor,), tally)
         for update in timer.each("update_actor", updates):
             n_tok = train.reduce_metrics({"n": lengths[update.rows].sum()})["n"]  # minibatch tokens, all ranks
             first = update.epoch == 0  # the first pass over the batch: the samples' reverse KL, before any update
-            ent.start()  # --entropy_coef and friends: this optimizer step's coefficient
-            for chunk in actor.accumulate(update.chunks):
-                if dist.loss_type == "jsd":  # both models' whole distributions at each sampled position
-                    logprobs, entropy, jsd, t_lp, ix = packed.divergence(actor.model, teacher, ro, chunk, device,
-                                                                         dist.beta, theirs)
-                else:
-                    logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
-                old = logprobs.detach() if dist.one_update else ix.gather(old_logprobs, device)
-                if dist.loss_type == "jsd":  # algos.generalized_jsd, in chunks through both LM heads
-                    loss, clipped = jsd, torch.zeros_like(old)
-                else:
-                    t_lp = ix.gather(teacher_lp, device)
-                    adv = algos.reverse_kl_advantages(old, t_lp) + ix.gather(task_adv, device)
-                    loss, clipped = algos.clipped_surrogate(logprobs, logprobs - old, adv, cfg.ratio.cliprange,
-                                                            cfg.ratio.epsilon_high)
-                loss = correct(loss, old, ro, ix, device, tally, measure=first)
-                acting, bonus = ent.terms(entropy, None, n_tok, len(update.chunks))
-                if acting is not None:  # --top_entropy_quantile: the loss on the high-entropy tokens only
-                    loss = loss * acting
-                share = algos.global_mean_share(loss, n_tok, world)
-                actor.backward(share if bonus is None else share + algos.global_mean_share(bonus, 1.0, world))
-                tally.add(tokens=len(loss), loss=loss, pg_clipfrac=clipped,  # Tally detaches
-                          approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy)
-                if first:  # the per-token reverse KL of the samples, before this step's update
-                    tally.add(teacher_kl=old - t_lp, kl_tokens=len(loss))
-                    student_lp[ix.row, ix.pos], teacher_lp[ix.row, ix.pos] = old.float().cpu(), t_lp.cpu()
-            grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
+            with update:  # out of memory inside: nothing applied, the update comes again at half the tokens
+                ent.start()  # --entropy_coef and friends: this optimizer step's coefficient
+                for chunk in actor.accumulate(update.chunks):
+                    if dist.loss_type == "jsd":  # both models' whole distributions at each sampled position
+                        logprobs, entropy, jsd, t_lp, ix = packed.divergence(actor.model, teacher, ro, chunk, device,
+                                                                             dist.beta, theirs)
+                    else:
+                        logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
+                    old = logprobs.detach() if dist.one_update else ix.gather(old_logprobs, device)
+                    if dist.loss_type == "jsd":  # algos.generalized_jsd, in chunks through both LM heads
+                        loss, clipped = jsd, torch.zeros_like(old)
+                    else:
+                        t_lp = ix.gather(teacher_lp, device)
+                        adv = algos.reverse_kl_advantages(old, t_lp) + ix.gather(task_adv, device)
+                        loss, clipped = algos.clipped_surrogate(logprobs, logprobs - old, adv, cfg.ratio.cliprange,
+                                                                cfg.ratio.epsilon_high)
+                    loss = correct(loss, old, ro, ix, device, tally, measure=first)
+                    acting, bonus = ent.terms(entropy, None, n_tok, len(update.chunks))
+                    if acting is not None:  # --top_entropy_quantile: the loss on the high-entropy tokens only
+                        loss = loss * acting
+                    share = algos.global_mean_share(loss, n_tok, world)
+                    actor.backward(share if bonus is None else share + algos.global_mean_share(bonus, 1.0, world))
+                    tally.add(tokens=len(loss), loss=loss, pg_clipfrac=clipped,  # Tally detaches
+                              approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy)
+                    if first:  # the per-token reverse KL of the samples, before this step's update
+                        tally.add(teacher_kl=old - t_lp, kl_tokens=len(loss))
+                        student_lp[ix.row, ix.pos], teacher_lp[ix.row, ix.pos] = old.float().cpu(), t_lp.cpu()
+                grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
             if ema:
                 ema.after_step()  # --teacher_model_kind ema: the teacher moves toward the updated student
             entropy_metrics = ent.end()  # --use_adaptive_entropy: the coefficient moves

@@ -149,17 +149,20 @@ def main():
         idx = train.step_indices(len(pairs), step, per_step, tc.seed, rank, world)
         costs = [pairs[i].cost for i in idx]
         tally = train.Tally()
-        for chunk in policy.accumulate(train.micro_batches(tc, idx, costs)):
-            exs = [pairs[i] for i in chunk]
-            batch = train.make_batch(items(exs), tc, pad, block_mask).to(device)
-            logps = train.sequence_logprobs(policy.model, batch).view(-1, 2)
-            ref = ref_train[chunk].to(device)
-            losses = pair_loss(logps, ref, lengths(exs).to(device), terms, dpo)
-            # Mean over the pairs of the global step. DDP and DeepSpeed average gradients over ranks, so the rank's
-            # sum is scaled by world / per_step; the result does not depend on how pairs are split.
-            policy.backward(algos.global_mean_share(losses, per_step, world))
-            tally.add(**pair_sums(losses, algos.implicit_rewards(logps, ref, dpo.beta)), tokens=batch.num_tokens)
-        grad_norm = policy.step()
+        for attempt in policy.attempts(tc, step, idx, costs, tally):  # out of memory: redone at half the tokens
+            with attempt:
+                for chunk in policy.accumulate(attempt.chunks):
+                    exs = [pairs[i] for i in chunk]
+                    batch = train.make_batch(items(exs), tc, pad, block_mask).to(device)
+                    logps = train.sequence_logprobs(policy.model, batch).view(-1, 2)
+                    ref = ref_train[chunk].to(device)
+                    losses = pair_loss(logps, ref, lengths(exs).to(device), terms, dpo)
+                    # Mean over the pairs of the global step. DDP and DeepSpeed average gradients over ranks, so the
+                    # rank's sum is scaled by world / per_step; the result does not depend on how pairs are split.
+                    policy.backward(algos.global_mean_share(losses, per_step, world))
+                    tally.add(**pair_sums(losses, algos.implicit_rewards(logps, ref, dpo.beta)),
+                              tokens=batch.num_tokens)
+                grad_norm = policy.step()
         t = tally.reduce()
         dt = time.time() - t0
         metrics = {**pair_metrics(t, per_step), **policy.metrics([grad_norm]), "perf/tokens_per_s": t["tokens"] / dt,

@@ -190,34 +190,37 @@ def main():
 
         # 4. updates: num_iterations passes over the batch, num_mini_batches optimizer steps each
         tally, grad_norms = train.Tally(), []
-        updates = train.updates(cfg.train, step, costs, grpo.num_iterations, grpo.num_mini_batches)
+        updates = train.updates(cfg.train, step, costs, grpo.num_iterations, grpo.num_mini_batches,
+                                (actor,), tally)
         for update in timer.each("update_actor", updates):
             mb = update.rows
             n = train.reduce_metrics({"tokens": lengths[mb][keep[mb]].sum(), "seqs": keep[mb].sum()})  # all ranks
-            ent.start()  # --entropy_coef and friends: this optimizer step's coefficient
-            for chunk in actor.accumulate(update.chunks):
-                logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
-                old = logprobs.detach() if grpo.one_update else ix.gather(old_logprobs, device)
-                adv, row = ix.gather(advantages, device), ix.row.to(device)  # a response's advantage per token
-                # ratio per token, or GSPO's per response (the tokens of a response are all in this chunk)
-                log_ratio = (algos.sequence_log_ratio(logprobs, old, row, B)
-                             if grpo.importance_sampling_level == "sequence" else logprobs - old)
-                loss, clipped = policy_loss.surrogate(logprobs, log_ratio, adv, cfg.ratio.cliprange,
-                                                      cfg.ratio.epsilon_high)
-                loss = correct(loss, old, ro, ix, device, tally, measure=update.epoch == 0)
-                acting, bonus = ent.terms(entropy, ix.gather(keep).to(device), n["tokens"], len(update.chunks))
-                if acting is not None:  # --top_entropy_quantile: the policy term on the high-entropy tokens only
-                    loss = loss * acting
-                kl = (algos.kl_estimate(logprobs, ix.gather(ref_logprobs, device), "k3") if ref is not None
-                      else torch.zeros_like(logprobs))
-                # this micro-batch's share of the minibatch loss on all ranks (algos.reduction.loss_weights)
-                w = algos.loss_weights(policy_loss.reduction, ix.gather(lengths), max(n["tokens"], 1),
-                                       max(n["seqs"], 1), cfg.rollout.max_completion_length) * ix.gather(keep)
-                objective = (loss + grpo.beta * kl) * w.to(device)
-                actor.backward(algos.global_mean_share(objective if bonus is None else objective + bonus, 1.0, world))
-                tally.add(tokens=len(loss), pg_loss=loss, pg_clipfrac=clipped,  # Tally detaches
-                          approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy, kl=kl)
-            grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
+            with update:  # out of memory inside: nothing applied, the update comes again at half the tokens
+                ent.start()  # --entropy_coef and friends: this optimizer step's coefficient
+                for chunk in actor.accumulate(update.chunks):
+                    logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
+                    old = logprobs.detach() if grpo.one_update else ix.gather(old_logprobs, device)
+                    adv, row = ix.gather(advantages, device), ix.row.to(device)  # a response's advantage per token
+                    # ratio per token, or GSPO's per response (the tokens of a response are all in this chunk)
+                    log_ratio = (algos.sequence_log_ratio(logprobs, old, row, B)
+                                 if grpo.importance_sampling_level == "sequence" else logprobs - old)
+                    loss, clipped = policy_loss.surrogate(logprobs, log_ratio, adv, cfg.ratio.cliprange,
+                                                          cfg.ratio.epsilon_high)
+                    loss = correct(loss, old, ro, ix, device, tally, measure=update.epoch == 0)
+                    acting, bonus = ent.terms(entropy, ix.gather(keep).to(device), n["tokens"], len(update.chunks))
+                    if acting is not None:  # --top_entropy_quantile: the policy term on the high-entropy tokens only
+                        loss = loss * acting
+                    kl = (algos.kl_estimate(logprobs, ix.gather(ref_logprobs, device), "k3") if ref is not None
+                          else torch.zeros_like(logprobs))
+                    # this micro-batch's share of the minibatch loss on all ranks (algos.reduction.loss_weights)
+                    w = algos.loss_weights(policy_loss.reduction, ix.gather(lengths), max(n["tokens"], 1),
+                                           max(n["seqs"], 1), cfg.rollout.max_completion_length) * ix.gather(keep)
+                    objective = (loss + grpo.beta * kl) * w.to(device)
+                    objective = objective if bonus is None else objective + bonus
+                    actor.backward(algos.global_mean_share(objective, 1.0, world))
+                    tally.add(tokens=len(loss), pg_loss=loss, pg_clipfrac=clipped,  # Tally detaches
+                              approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy, kl=kl)
+                grad_norms.append(actor.step(schedule=update.last))  # the LR schedule advances once per step
             entropy_metrics = ent.end()  # --use_adaptive_entropy: the coefficient moves
 
         # 5. weight sync: the rollout engine generates with the updated actor from the next step on

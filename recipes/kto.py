@@ -134,6 +134,19 @@ def main():
     if start == 0 and test:
         log.log(0, {**memory.metrics(), **evaluate()})
 
+    def reference_point(chunks) -> tuple[torch.Tensor, dict]:
+        """KL reference point z0 (KTO paper, eq. 7) of a step: the mismatched pairs of the whole step, every micro-batch
+        of every rank, summed then divided by the global count, so all examples of the step share one z0. Detached
+        (the paper does not backpropagate through it): these forwards keep no graph. -> (z0, the summed tally)."""
+        kl = train.Tally()
+        with torch.no_grad():
+            for ids in chunks:
+                batch = train.make_batch(sequences(examples, kl_train, ids, kl=True), tc, pad, block_mask).to(device)
+                logps = train.sequence_logprobs(policy.model, batch).cpu()
+                kl.add(logratio=logps - ref_train[ids, 1], pairs=len(ids), tokens=batch.num_tokens)
+        kl = kl.reduce()
+        return algos.kl_reference_point(torch.tensor(kl["logratio"]), torch.tensor(kl["pairs"])).float().to(device), kl
+
     # ---- training loop -------------------------------------------------------------------------------------------
     policy.model.train()
     stop = 0  # the signal that stopped the run (preemption), once saved
@@ -142,35 +155,25 @@ def main():
         idx = train.step_indices(len(examples), step, per_step, tc.seed, rank, world)
         seq_len = lambda i, j: len(examples[i].prompt_ids) + len(examples[j].completion_ids)
         costs = [max(seq_len(i, i), seq_len(i, kl_train[i])) for i in idx]  # the larger of its two forwards
-        chunks = train.micro_batches(tc, idx, costs)
-
-        # KL reference point z0 (KTO paper, eq. 7): the mismatched pairs of the whole step, every micro-batch of
-        # every rank, summed then divided by the global count, so all examples of the step share one z0. It is
-        # detached (the paper does not backpropagate through it), so these forwards keep no graph.
-        kl = train.Tally()
-        with torch.no_grad():
-            for ids in chunks:
-                batch = train.make_batch(sequences(examples, kl_train, ids, kl=True), tc, pad, block_mask).to(device)
-                logps = train.sequence_logprobs(policy.model, batch).cpu()
-                kl.add(logratio=logps - ref_train[ids, 1], pairs=len(ids), tokens=batch.num_tokens)
-        kl = kl.reduce()
-        z0 = algos.kl_reference_point(torch.tensor(kl["logratio"]), torch.tensor(kl["pairs"])).float().to(device)
-
         tally = train.Tally()
-        for ids in policy.accumulate(chunks):
-            batch = train.make_batch(sequences(examples, kl_train, ids), tc, pad, block_mask).to(device)
-            y = labels(examples, ids).to(device)
-            logps = train.sequence_logprobs(policy.model, batch)
-            ref = ref_train[ids, 0].to(device)
-            losses = algos.kto_loss(logps, ref, y, z0, kto.beta, kto.desirable_weight, kto.undesirable_weight)
-            # Mean over the examples of the global step, never over a micro-batch or a class: DDP and DeepSpeed
-            # average gradients over ranks, so the rank's sum is scaled by world / per_step. A micro-batch or a
-            # rank holding one class only (or one example) then weighs exactly its share, and nothing is 0/0.
-            policy.backward(algos.global_mean_share(losses, per_step, world))
-            r = (logps - ref).detach()
-            tally.add(loss=losses.detach(), n_des=y, n_und=~y, logratio_des=r[y], logratio_und=r[~y],
-                      correct=(r > z0) == y, tokens=batch.num_tokens)
-        grad_norm = policy.step()
+        for attempt in policy.attempts(tc, step, idx, costs, tally):  # out of memory: redone at half the tokens
+            with attempt:
+                z0, kl = reference_point(attempt.chunks)
+                for ids in policy.accumulate(attempt.chunks):
+                    batch = train.make_batch(sequences(examples, kl_train, ids), tc, pad, block_mask).to(device)
+                    y = labels(examples, ids).to(device)
+                    logps = train.sequence_logprobs(policy.model, batch)
+                    ref = ref_train[ids, 0].to(device)
+                    losses = algos.kto_loss(logps, ref, y, z0, kto.beta, kto.desirable_weight, kto.undesirable_weight)
+                    # Mean over the examples of the global step, never over a micro-batch or a class: DDP and
+                    # DeepSpeed average gradients over ranks, so the rank's sum is scaled by world / per_step. A
+                    # micro-batch or a rank holding one class only (or one example) then weighs exactly its share,
+                    # and nothing is 0/0.
+                    policy.backward(algos.global_mean_share(losses, per_step, world))
+                    r = (logps - ref).detach()
+                    tally.add(loss=losses.detach(), n_des=y, n_und=~y, logratio_des=r[y], logratio_und=r[~y],
+                              correct=(r > z0) == y, tokens=batch.num_tokens)
+                grad_norm = policy.step()
         t = tally.reduce()
         tokens = t["tokens"] + kl["tokens"]
         dt = time.time() - t0

@@ -159,30 +159,33 @@ def main():
 
         # 5. PPO epochs over minibatches: actor and critic each take one optimizer step per minibatch
         tally, grad_norms = train.Tally(), {"actor": [], "critic": []}
-        for update in train.updates(cfg.train, step, costs, ppo.num_ppo_epochs, ppo.num_mini_batches):
+        updates = train.updates(cfg.train, step, costs, ppo.num_ppo_epochs, ppo.num_mini_batches, (actor, critic),
+                                tally)
+        for update in updates:
             n_tok = train.reduce_metrics({"n": lengths[update.rows].sum()})["n"]  # minibatch tokens, all ranks
-            with timer("update_actor"):
-                for chunk in actor.accumulate(update.chunks):
-                    logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
-                    old, adv = ix.gather(old_logprobs, device), ix.gather(advantages, device)
-                    pg, clipped = algos.clipped_surrogate(logprobs, logprobs - old, adv, cfg.ratio.cliprange,
-                                                          cfg.ratio.epsilon_high)
-                    pg = correct(pg, old, ro, ix, device, tally, measure=update.epoch == 0)
-                    # token mean over the minibatch on all ranks (algos.reduction.global_mean_share)
-                    actor.backward(algos.global_mean_share(pg - ppo.ent_coef * entropy, n_tok, world))
-                    # approx_kl = mean 0.5 (log ratio)^2 (Schulman's k2); Tally detaches
-                    tally.add(tokens=len(pg), pg_loss=pg, approx_kl=0.5 * (logprobs - old) ** 2, entropy=entropy,
-                              pg_clipfrac=clipped)
-                grad_norms["actor"].append(actor.step(schedule=update.last))  # the LR schedule: once per step
-            with timer("update_critic"):
-                for chunk in critic.accumulate(update.chunks):
-                    batch, ix = packed(ro, chunk)
-                    values = train.critic_values(critic.model, batch.to(device), ix)
-                    old_v, ret = ix.gather(old_values, device), ix.gather(returns, device)
-                    vf, vf_clipped = algos.value_loss(values, old_v, ret, ppo.cliprange_value)
-                    critic.backward(algos.global_mean_share(vf, n_tok, world))
-                    tally.add(vf_loss=vf.detach(), vf_clipfrac=vf_clipped)
-                grad_norms["critic"].append(critic.step(schedule=update.last))
+            with update:  # out of memory inside: nothing applied, the update comes again at half the tokens
+                with timer("update_actor"):
+                    for chunk in actor.accumulate(update.chunks):
+                        logprobs, entropy, ix = packed.forward(actor.model, ro, chunk, device)
+                        old, adv = ix.gather(old_logprobs, device), ix.gather(advantages, device)
+                        pg, clipped = algos.clipped_surrogate(logprobs, logprobs - old, adv, cfg.ratio.cliprange,
+                                                              cfg.ratio.epsilon_high)
+                        pg = correct(pg, old, ro, ix, device, tally, measure=update.epoch == 0)
+                        # token mean over the minibatch on all ranks (algos.reduction.global_mean_share)
+                        actor.backward(algos.global_mean_share(pg - ppo.ent_coef * entropy, n_tok, world))
+                        # approx_kl = mean 0.5 (log ratio)^2 (Schulman's k2); Tally detaches
+                        tally.add(tokens=len(pg), pg_loss=pg, approx_kl=0.5 * (logprobs - old) ** 2,
+                                  entropy=entropy, pg_clipfrac=clipped)
+                    grad_norms["actor"].append(actor.step(schedule=update.last))  # the LR schedule: once per step
+                with timer("update_critic"):
+                    for chunk in critic.accumulate(update.chunks):
+                        batch, ix = packed(ro, chunk)
+                        values = train.critic_values(critic.model, batch.to(device), ix)
+                        old_v, ret = ix.gather(old_values, device), ix.gather(returns, device)
+                        vf, vf_clipped = algos.value_loss(values, old_v, ret, ppo.cliprange_value)
+                        critic.backward(algos.global_mean_share(vf, n_tok, world))
+                        tally.add(vf_loss=vf.detach(), vf_clipfrac=vf_clipped)
+                    grad_norms["critic"].append(critic.step(schedule=update.last))
 
         # 6. weight sync: the rollout engine generates with the updated actor from the next step on
         sync_metrics = rollouts.load_weights(actor.unwrapped(), version=step + 1)

@@ -90,16 +90,18 @@ def main():
         idx = train.step_indices(len(pairs), step, per_step, tc.seed, rank, world)
         costs = [pairs[i].cost for i in idx]
         tally = train.Tally()
-        for chunk in rm.accumulate(train.micro_batches(tc, idx, costs)):
-            batch = train.make_batch(items([pairs[i] for i in chunk]), tc, pad, block_mask).to(device)
-            r = rewards.sequence_rewards(rm.model(**batch.inputs()), batch, pad)
-            r = r.view(-1, 2)  # (pairs, [chosen, rejected])
-            m = margin_train[chunk].to(device) if margin_train is not None else None
-            losses = algos.bradley_terry_loss(r[:, 0], r[:, 1], m, center)
-            # Mean over the pairs of the global step: the rank's sum times world / per_step, as in recipes/dpo.py.
-            rm.backward(algos.global_mean_share(losses, per_step, world))
-            tally.add(**pair_sums(losses, r), tokens=batch.num_tokens)
-        grad_norm = rm.step()
+        for attempt in rm.attempts(tc, step, idx, costs, tally):  # out of memory: redone at half the tokens
+            with attempt:
+                for chunk in rm.accumulate(attempt.chunks):
+                    batch = train.make_batch(items([pairs[i] for i in chunk]), tc, pad, block_mask).to(device)
+                    r = rewards.sequence_rewards(rm.model(**batch.inputs()), batch, pad)
+                    r = r.view(-1, 2)  # (pairs, [chosen, rejected])
+                    m = margin_train[chunk].to(device) if margin_train is not None else None
+                    losses = algos.bradley_terry_loss(r[:, 0], r[:, 1], m, center)
+                    # Mean over the pairs of the global step: the rank's sum times world / per_step (recipes/dpo.py)
+                    rm.backward(algos.global_mean_share(losses, per_step, world))
+                    tally.add(**pair_sums(losses, r), tokens=batch.num_tokens)
+                grad_norm = rm.step()
         t = tally.reduce()
         dt = time.time() - t0
         metrics = {**pair_metrics(t, per_step), **rm.metrics([grad_norm]), "perf/tokens_per_s": t["tokens"] / dt,

@@ -96,17 +96,19 @@ def main():
     for step in range(start, total_steps):
         t0 = time.time()
         idx = train.step_indices(len(examples), step, per_step, tc.seed, rank, world)
-        chunks = train.micro_batches(tc, idx, [len(examples[i].input_ids) for i in idx])
         # Token mean over the learned tokens of the whole step: each micro-batch adds sum(nll) * world / n_tokens,
         # which DDP/DeepSpeed's average over processes turns into sum over all tokens / n_tokens (global_mean_share).
         n_tokens = train.reduce_metrics({"n": learned([examples[i] for i in idx])})["n"]
         tally = train.Tally()
-        for chunk in policy.accumulate(chunks):
-            batch = train.make_batch(items([examples[i] for i in chunk]), tc, pad, block_mask).to(device)
-            logps, _ = train.token_logprobs(policy.model, batch)
-            policy.backward(algos.global_mean_share(-logps, n_tokens, world))
-            tally.add(nll=-logps.detach(), tokens=batch.num_tokens)
-        grad_norm = policy.step()
+        # the step's micro-batches; a try that runs out of memory is undone and redone at half the tokens
+        for attempt in policy.attempts(tc, step, idx, [len(examples[i].input_ids) for i in idx], tally):
+            with attempt:
+                for chunk in policy.accumulate(attempt.chunks):
+                    batch = train.make_batch(items([examples[i] for i in chunk]), tc, pad, block_mask).to(device)
+                    logps, _ = train.token_logprobs(policy.model, batch)
+                    policy.backward(algos.global_mean_share(-logps, n_tokens, world))
+                    tally.add(nll=-logps.detach(), tokens=batch.num_tokens)
+                grad_norm = policy.step()
         t = tally.reduce()
         dt = time.time() - t0
         metrics = {"loss": t["nll"] / n_tokens, **policy.metrics([grad_norm]), "learned_tokens": n_tokens,

@@ -194,25 +194,38 @@ def micro_batches(cfg: BatchConfig, items: list, costs: list[int]) -> list[list]
 @dataclass
 class Update:
     """One optimizer step of a rollout batch's update schedule (see `updates`): pass `epoch`, the minibatch's rollout
-    `rows`, their micro-batches `chunks` (micro_batches), and whether it is the step's `last` update (the LR
-    schedule advances once per step)."""
+    `rows`, their micro-batches `chunks`, and whether it is the step's `last` update (the LR schedule advances once per
+    step). A context manager: an out-of-memory error inside is taken by its `attempt` (train/out_of_memory.py), and
+    `updates` yields the same rows again at half the tokens."""
 
     epoch: int
     rows: list[int]
     chunks: list[list[int]]
     last: bool
+    attempt: object = None
+
+    def __enter__(self) -> Update:
+        self.attempt.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return self.attempt.__exit__(*exc)
 
 
-def updates(cfg: TrainConfig, step: int, costs: list[int], epochs: int, num_mini_batches: int) -> Iterator[Update]:
+def updates(cfg: TrainConfig, step: int, costs: list[int], epochs: int, num_mini_batches: int, models: tuple = (),
+            tally: Tally | None = None) -> Iterator[Update]:
     """The online recipes' update loop over one rollout batch of len(costs) rows (`costs`: tokens of each row's
     forward pass): `epochs` passes, each over the rows in a new seeded order (derived from cfg.seed, step and the
-    pass) cut into `num_mini_batches` minibatches, each split into micro-batches. Collective when micro-batches are
-    cut by a token budget."""
+    pass) cut into `num_mini_batches` minibatches, each split into micro-batches: one optimizer step of the
+    Trainables `models`, yielded again at half the tokens when the `with update:` block ran out of memory (`tally`
+    put back; train/out_of_memory.py). Collective when micro-batches are cut by a token budget."""
+    from verl_kit.train.out_of_memory import attempts
+
     for epoch in range(epochs):
         mbs = minibatches(len(costs), num_mini_batches, derived_seed(cfg.seed, step, epoch))
         for j, rows in enumerate(mbs):
-            yield Update(epoch, rows, micro_batches(cfg, rows, [costs[i] for i in rows]),
-                         epoch == epochs - 1 and j == len(mbs) - 1)
+            for attempt in attempts(models, cfg, step, rows, [costs[i] for i in rows], tally):
+                yield Update(epoch, rows, attempt.chunks, epoch == epochs - 1 and j == len(mbs) - 1, attempt)
 
 
 def minibatches(n_rows: int, num_mini_batches: int, seed: int) -> list[list[int]]:

@@ -46,6 +46,7 @@ class Sharding:
 
     layout = "accelerate"  # accelerate's whole-model files: one process and DDP read each other's
     builds_empty = False
+    can_discard = True  # a step's accumulated gradients can be dropped mid-step (train/out_of_memory.py)
 
     def __init__(self, accelerator: accelerate.Accelerator):
         self.accelerator = accelerator
@@ -88,6 +89,11 @@ class Sharding:
             optimizer.step()
         optimizer.zero_grad()
         return norm, skipped
+
+    def discard(self, model: nn.Module, optimizer) -> None:
+        """Drop the gradients accumulated so far in a step that will not be applied (train/out_of_memory.py)."""
+        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
 
     # ---- full and local tensors -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -172,6 +178,7 @@ class DeepSpeed(Sharding):
     first, which is wrong for a run of two (PPO's actor and critic)."""
 
     layout = "deepspeed"
+    can_discard = False  # its engine holds a step's partial gradient partitions; no public call drops them mid-step
 
     def __init__(self, accelerator: accelerate.Accelerator):
         super().__init__(accelerator)

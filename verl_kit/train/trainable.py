@@ -8,6 +8,8 @@ Trainable  a model with its own AdamW, LR schedule and (under DeepSpeed) its own
                grad_norm = model.step()                  # clip, update, zero, advance the schedule
            A step whose loss or gradient norm is not finite is skipped on every process (nothing reaches the
            weights or the optimizer state), counted in `nonfinite_skips`; MAX_NONFINITE_SKIPS in a row stop the run.
+           A step that runs out of memory is redone at half the tokens per micro-batch (`attempts`,
+           train/out_of_memory.py).
 frozen()   a model that is only run forward (reference, reward model): a ZeRO-3 inference engine over its shards,
            fully_shard-ed under FSDP2, or a plain module on the device.
 
@@ -63,8 +65,21 @@ class Trainable:
                                        total_steps)
         self.model, self.optimizer = self.sharding.prepare(model, optimizer)
         accelerator.register_for_checkpointing(self.scheduler)  # stepped here: accelerate would step it per process
+        self.steps_taken = 0  # calls of step() since the start of this process
         self.nonfinite_skips = 0  # optimizer steps skipped for a non-finite loss or gradient norm, since the start
         self.consecutive_skips = 0
+
+    def attempts(self, cfg, step: int, items: list, costs: list[int], tally=None) -> Iterator:
+        """The tries at optimizer step `step` over this process's `items` (`costs` tokens each), each a context
+        manager with the step's micro-batches (`.chunks`, split by `cfg`'s token budget); one more after a try that ran
+        out of memory, at half the budget (train/out_of_memory.py: what is put back, where the run stops instead)."""
+        from verl_kit.train.out_of_memory import attempts
+
+        return attempts((self,), cfg, step, items, costs, tally)
+
+    def discard(self) -> None:
+        """Drop the gradients accumulated in a step that will not be applied."""
+        self.sharding.discard(self.model, self.optimizer)
 
     def accumulate(self, chunks: list) -> Iterator:
         """Yield the micro-batches of one optimizer step. Gradients of each `backward` inside accumulate locally and
@@ -93,7 +108,18 @@ class Trainable:
         of the step number, as resume expects). The sharding takes that decision (Sharding.step: DeepSpeed's engine
         on the global norm it reduces, elsewhere a flag reduced over the processes). Each skip is counted in
         `nonfinite_skips` and warned; MAX_NONFINITE_SKIPS in a row stop the run with one line."""
-        norm, skipped = self.sharding.step(self.model, self.optimizer, self.max_grad_norm)
+        try:
+            norm, skipped = self.sharding.step(self.model, self.optimizer, self.max_grad_norm)
+        except (RuntimeError, MemoryError, OSError) as e:  # not redone: smaller micro-batches do not shrink an update
+            from verl_kit.train.out_of_memory import is_out_of_memory, reason
+
+            if not is_out_of_memory(e):
+                raise
+            raise UserError(f"the optimizer step ran out of memory ({reason(e)}): its state (AdamW's moments arrive "
+                            "at the first step) does not fit; the run stops, the last checkpoint is intact; "
+                            "--use_peft, ZeRO-3 / FSDP2 over more processes, or a smaller model "
+                            "(docs/memory.md)") from e
+        self.steps_taken += 1
         if schedule:
             self.scheduler.step()
         if skipped:
