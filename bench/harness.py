@@ -143,6 +143,20 @@ def run(cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = Non
     return time.time() - t0
 
 
+PLAN_ROW = re.compile(r"^(?:\[\S+\] )?\s+(model state|frozen models|activations|LM-head tiles|rollout engine|"
+                      r"rollout client|this process|total)\s+([\d.]+) GiB\s*(.*)$")
+
+
+def plan_terms(log: str) -> dict:
+    """The memory plan's table in a recipe's log (verl_kit/train/memory_plan.py prints it at start): {term: (GiB,
+    note)}, the first table's (the main process's)."""
+    terms: dict = {}
+    for line in log.splitlines():
+        if (m := PLAN_ROW.match(line)) and m.group(1) not in terms:
+            terms[m.group(1)] = (float(m.group(2)), m.group(3))
+    return terms
+
+
 def run_peak(cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = None, prefix: str = "",
              on_line=None, min_available_bytes: int = 2 * 2**30) -> dict:
     """As `run`, and the command's peak resident memory: {"wall_s", "peak_rss_bytes"}, the latter wait4's

@@ -15,7 +15,8 @@ update  one GRPO update on SmolLM2-135M-Instruct (vocabulary 49,152): 8 prompts 
         reduction, beta 0), backward, AdamW step, after a warm-up update on 2 x 8 tokens that allocates AdamW's state
         (every step after the first has it). Peak RSS of the process (model, gradients, AdamW state and the
         update), and the update's CPU seconds.
-trl     whole steps against TRL's GRPOTrainer on the same workload: SmolLM2, the embedded task's prompts (chat
+trl     whole steps against TRL's GRPOTrainer on the same workload (and our process's memory plan, term by term,
+        read from its log, beside its measured peak): SmolLM2, the embedded task's prompts (chat
         template), 8 prompts x 4 completions of exactly 256 tokens (ours --ignore_eos, TRL min_new_tokens) from HF
         generate, the kind_words reward, 32 completions in one micro-batch and one optimizer step per step (TRL
         per_device_train_batch_size 32, num_generations 4, gradient_accumulation_steps 1, num_iterations 1), beta 0
@@ -115,6 +116,11 @@ def main(argv=None):
         tgc = args.trl_gradient_checkpointing
         results["trl"] = steps = {"ours": ours_steps(model, tgc, args), "trl": trl_steps(model, tgc, args)}
         ours, trl = steps["ours"], steps["trl"]
+        print_terms(ours)
+        if "peak_gib" in ours and "plan" in ours and "total" in ours["plan"]:
+            lines.append(h.summary_line("memory_plan_vs_peak", ours["plan"]["total"][0] / ours["peak_gib"],
+                                        f"our GRPO process: the plan's {ours['plan']['total'][0]:.2f} GiB against "
+                                        f"its measured peak {ours['peak_gib']:.2f} GiB (target within 0.8-1.2)"))
         if "peak_gib" in ours and "peak_gib" in trl:
             lines.append(h.summary_line("memory_vs_trl", ours["peak_gib"] / trl["peak_gib"],
                                         f"whole GRPO process, peak RSS {ours['peak_gib']:.2f} GiB vs TRL "
@@ -425,7 +431,17 @@ def ours_steps(model: str, gc: bool, args) -> dict:
     start_cpu = next(c for t, c in reversed(clock) if t <= start)  # the last sample before the step began
     return {**run, "peak_gib": run["peak_rss_bytes"] / GIB, "step_cpu_s": end_cpu - start_cpu,
             "step_s": rows[-1]["timing_s/step"], "timing": {k: v for k, v in rows[-1].items() if "timing" in k},
-            "gradient_checkpointing": gc}
+            "gradient_checkpointing": gc, "plan": h.plan_terms((OUT / "logs" / f"{tag}.log").read_text()),
+            "peak_rss_gib_logged": max(r["perf/peak_rss_gib"] for r in rows)}
+
+
+def print_terms(ours: dict) -> None:
+    """The plan's terms of our whole GRPO process beside its measured peak: where the peak goes."""
+    print("\n| our GRPO process, term of the plan (train/memory_plan.py) | GiB | what it is |\n|---|---|---|")
+    for term, (gib, note) in ours.get("plan", {}).items():
+        print(f"| {term} | {gib:.2f} | {note[:90]} |")
+    print(f"| measured peak RSS (wait4; perf/peak_rss_gib {ours.get('peak_rss_gib_logged', float('nan')):.2f}) | "
+          f"{ours.get('peak_gib', float('nan')):.2f} | the trainer process; HF generate runs inside it |")
 
 
 def trl_steps(model: str, gc: bool, args) -> dict:

@@ -50,6 +50,37 @@ def test_rollout_logprobs_and_eos(tiny_model_path, tokenizer):
         assert (second.sampling_logprobs[b, n:] == 0).all()
 
 
+def test_generating_on_the_trained_model_itself(tiny_model_path, tokenizer):
+    """shares_policy (one process, no sharding, no LoRA, fp32, no --async_rollout): the backend generates on the
+    trained model, gradient-checkpointed and in training mode as a recipe holds it, and gives the tokens and
+    log-probs a copy gives from the same RNG state; the model is back in training mode after, a sync copies
+    nothing, and an update of the model is what the next generation samples from."""
+    from verl_kit.models import load_causal_lm
+    from verl_kit.rollout.hf import shares_policy
+
+    assert shares_policy(1, "none", False, False, False)
+    assert not any([shares_policy(2, "ddp", False, False, False), shares_policy(1, "zero3", False, False, False),
+                    shares_policy(1, "none", True, False, False), shares_policy(1, "none", False, True, False),
+                    shares_policy(1, "none", False, False, True)])
+    actor = load_causal_lm(tiny_model_path, gradient_checkpointing=True).train()
+    prompts = [tokenizer("<|user|>Describe the sea.<|end|><|assistant|>")["input_ids"], [5, 6, 7]]
+    params = SamplingParams(temperature=0.7, max_new_tokens=12, n=3)
+    copy = HFGenerateBackend(actor, tokenizer, "cpu", torch.float32)
+    shared = HFGenerateBackend(actor, tokenizer, "cpu", torch.float32, share=True)
+    assert shared.model is actor and copy.model is not actor
+    got = {}
+    for name, engine in (("copy", copy), ("shared", shared)):
+        torch.manual_seed(1)
+        got[name] = engine.generate(prompts, params)
+    assert actor.training and torch.equal(got["copy"].response_ids, got["shared"].response_ids)
+    torch.testing.assert_close(got["copy"].sampling_logprobs, got["shared"].sampling_logprobs)
+    assert shared.load_weights(actor, version=1)["sync/version"] == 1
+    with torch.no_grad():
+        actor.lm_head.weight.mul_(-1)  # an update: the next generation samples from it, with no sync
+    torch.manual_seed(1)
+    assert not torch.equal(shared.generate(prompts, params).response_ids, got["shared"].response_ids)
+
+
 def test_evaluate_scores_every_held_out_prompt_once(tiny_model_path, tokenizer):
     """evaluate(): 5 prompts in generate calls of 2, 3 samples each; the score of a sample is its prompt's number, so
     the mean must be (0+1+2+3+4)/5 = 2 exactly; the response length is the mean of the masks; the RNG is restored."""

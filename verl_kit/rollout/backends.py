@@ -11,7 +11,7 @@ import torch
 
 from verl_kit.config import RolloutConfig, VLLMConfig
 from verl_kit.models import lora
-from verl_kit.rollout.hf import HFGenerateBackend
+from verl_kit.rollout.hf import HFGenerateBackend, shares_policy
 from verl_kit.rollout.router import VLLMServers
 from verl_kit.rollout.types import RolloutBackend
 from verl_kit.rollout.vllm_client import VLLMServer
@@ -71,7 +71,9 @@ def make_backend(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, actor, m
     start_servers; several: VLLMServers routes over them); only process 0 pushes weights to a server."""
     dtype = rollout_dtype(accelerator)
     if cfg.rollout == "hf":
-        return HFGenerateBackend(actor, tokenizer, accelerator.device, dtype, accelerator.sharding)
+        share = shares_policy(accelerator.num_processes, accelerator.sharding.name, lora.peft_model(actor) is not None,
+                              dtype != torch.float32, cfg.async_rollout)
+        return HFGenerateBackend(actor, tokenizer, accelerator.device, dtype, accelerator.sharding, share)
     rank = accelerator.process_index
     vllm_dtype = str(dtype).removeprefix("torch.")
     common = dict(bucket_mb=vllm_cfg.vllm_sync_bucket_mb, sync_timeout_s=vllm_cfg.vllm_sync_timeout_s,

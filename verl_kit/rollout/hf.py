@@ -9,7 +9,10 @@ The HF-generate backend keeps a plain (unsharded, hook-free) copy of the policy 
 generate on the training engine would all-gather every layer's parameters again at every generated token; here they
 are gathered once per update, parameter by parameter (`load_weights`), and generation then runs at plain-model speed
 (about 4x faster than on the ZeRO-3 engine for the 20M bench model on 2 processes, docs/rollouts.md). The price is
-one unsharded copy of the policy per process (in bf16 on GPU).
+one unsharded copy of the policy per process (in bf16 on GPU). Where the trained model already is that plain model
+(`shares_policy`: one process, no sharding, no LoRA adapter to merge, the same dtype, and no --async_rollout, which
+generates while the model is updated) the backend generates on it instead, in eval mode, and a sync has nothing to
+copy: the same tokens, one copy of the weights less (SmolLM2: 0.5 GiB).
 
 Multi-turn episodes (rollout.episodes) generate each turn from the whole episode so far. Inside `keep_prefixes()`
 the backend keeps each call's KV cache, and a call whose prompts extend rows of the previous call (the next turn)
@@ -105,23 +108,44 @@ class _Kept:
         return (torch.cat([self.ids[ix, :C], block], 1), torch.cat([self.mask[ix, :C], block_mask], 1), self.cache)
 
 
+def shares_policy(processes: int, sharding: str, lora: bool, bf16: bool, async_rollout: bool) -> bool:
+    """Whether the HF backend generates on the trained model itself rather than a copy (the module docstring): one
+    process, no sharding, no LoRA, fp32 (a bf16 run generates in bf16 from fp32 weights), no --async_rollout."""
+    return processes == 1 and sharding == "none" and not lora and not bf16 and not async_rollout
+
+
 class HFGenerateBackend:
     """Generation with transformers' `generate` on a plain copy of the policy (see the module docstring)."""
 
     BUCKET_BYTES = 64 << 20  # weight sync: parameters gathered at a time
     per_sample_seeds = False  # draws from the torch RNG (checkpointed with the run)
 
-    def __init__(self, actor, tokenizer, device, dtype: torch.dtype, sharding=None):
+    def __init__(self, actor, tokenizer, device, dtype: torch.dtype, sharding=None, share: bool = False):
         """`actor`: the unwrapped policy (a LoRA policy's copy is its base model class, the adapter merged in at each
         sync), placed by `sharding` (the run's train.Sharding, which gathers its full tensors; None: they are whole).
         The class is called directly on its config: from_config/from_pretrained would build ZeRO-3 shards whenever a
-        ZeRO-3 config is registered with transformers."""
-        plain = actor.get_base_model() if peft_model(actor) is not None else actor
-        self.model = type(plain)(plain.config).to(device=device, dtype=dtype).eval().requires_grad_(False)
-        self.model.config.use_cache = True
+        ZeRO-3 config is registered with transformers. `share`: generate on `actor` itself (shares_policy)."""
+        self.shared = share
+        if share:
+            self.model = actor
+        else:
+            plain = actor.get_base_model() if peft_model(actor) is not None else actor
+            self.model = type(plain)(plain.config).to(device=device, dtype=dtype).eval().requires_grad_(False)
+            self.model.config.use_cache = True
         self.tokenizer, self.device, self.sharding = tokenizer, device, sharding
         self._keeping, self._kept = False, None
         self.load_weights(actor)
+
+    @contextlib.contextmanager
+    def _inference(self):
+        """Eval mode for a generation (a shared policy is in training mode between them: no dropout, and transformers
+        drops the KV cache of a gradient-checkpointed model in training mode), restored after."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
 
     @contextlib.contextmanager
     def keep_prefixes(self):
@@ -147,6 +171,8 @@ class HFGenerateBackend:
         optimizer step that produced the weights."""
         t0 = time.time()
         self._kept = None  # computed with the old weights
+        if self.shared:  # generation reads the trained weights themselves
+            return {"sync/seconds": time.time() - t0, "sync/version": version}
         for tensors, _ in gathered_buckets(actor, self.BUCKET_BYTES, self.sharding):
             for name, t in tensors.items():
                 self.model.get_parameter(name).copy_(t)
@@ -176,7 +202,8 @@ class HFGenerateBackend:
         kept, self._kept = self._kept, None
         distinct = [list(p) for p in dict.fromkeys(map(tuple, prompts_n))] if kept is None else prompts_n
         if len(distinct) < len(prompts_n):
-            kept = self._prefill_once(distinct, pad)  # a group's samples share their prompt: prefill it once
+            with self._inference():
+                kept = self._prefill_once(distinct, pad)  # a group's samples share their prompt: prefill it once
         extended = kept.extend(prompts_n, pad) if kept is not None else None
         if extended is not None:
             input_ids, attention, cache = extended
@@ -192,9 +219,10 @@ class HFGenerateBackend:
         # every decoding step over all processes whenever a ZeRO-3 config is registered (as under a ZeRO-3 launch), and
         # then every process must call generate as often as the others: multi-turn episodes end after different
         # numbers of turns on different processes.
-        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-                                  past_key_values=cache, generation_config=config, logits_processor=[record],
-                                  synced_gpus=False)
+        with self._inference():
+            out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+                                      past_key_values=cache, generation_config=config, logits_processor=[record],
+                                      synced_gpus=False)
         out, cache = out.sequences, out.past_key_values
         response = out[:, P:].cpu()
         record.take(out[:, -1])

@@ -15,9 +15,13 @@ The terms, per process (fp32 unless said):
                        (hidden x 4 B) plus one layer's activations during its recomputation
     LM-head tiles      one logits tile (at most 4096 positions x 4096 columns, fp32) and two temporaries of its size
                        (train.lm_head)
-    rollout engine     HF generate: a plain copy of the policy (4 B per parameter) and its KV cache; a colocated vLLM
+    rollout engine     HF generate: a plain copy of the policy (4 B per parameter; none where it generates on the
+                       trained model, rollout.hf.shares_policy) and its KV cache; a colocated vLLM
                        engine (other processes of this node, counted against the same memory): its weights, its KV
                        cache (--vllm_kv_cache_gib on CPU) and ~1.5 GiB of its own processes
+    rollout client     on CPU, a colocated vLLM engine's share in this process: the vllm library (0.28 GiB resident,
+                       measured) and the same-host weight-sync slots, one copy of the synced weights in /dev/shm that
+                       this process writes and keeps mapped (rollout.transport)
     this process       what the process holds when the plan is made (Python, torch and the libraries: its resident
                        size now)
 
@@ -46,6 +50,7 @@ logger = logging.getLogger(__name__)
 GIB = 2 ** 30
 TILE = 4096  # train.lm_head's tile: at most 4096 positions x 4096 vocabulary columns, fp32, and two temporaries
 ENGINE_PROCESS_BYTES = int(1.5 * GIB)  # a CPU vLLM engine's core and worker beyond its weights and KV cache
+VLLM_LIBRARY_BYTES = int(0.28 * GIB)  # what importing vllm adds to the trainer's resident size (measured: 0.28 GiB)
 
 
 def meta_model(model_path: str):
@@ -197,6 +202,7 @@ MOVES = {
                    "--per_device_train_batch_size, shorter --max_length",
     "LM-head tiles": "nothing to set",
     "rollout engine": "--vllm_kv_cache_gib, --rollout vllm-server (the engine on other processes or hosts)",
+    "rollout client": "--rollout vllm-server on another host (no slots here)",
     "this process": "nothing to set",
 }
 
@@ -253,13 +259,20 @@ def plan(accelerator, tc, model_path: str, costs: list[int], *, frozen: tuple[st
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv = 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", config.num_attention_heads) \
             * head_dim * 4 * tc.max_length * tc.per_device_train_batch_size
-        terms["rollout engine"] = (n_policy * 4 + kv) / GIB
-        notes["rollout engine"] = "HF generate: a copy of the policy and its KV cache"
+        from verl_kit.rollout.hf import shares_policy
+
+        copy = not shares_policy(world, name, lora, bf16, rollout.async_rollout)
+        terms["rollout engine"] = (n_policy * 4 * copy + kv) / GIB
+        notes["rollout engine"] = ("HF generate: a copy of the policy and its KV cache" if copy
+                                   else "HF generate on the trained model: its KV cache")
     elif engine == "vllm":
         on_cpu = not torch.cuda.is_available()
         terms["rollout engine"] = ((n_policy * 4 + kv_cache_gib * GIB + ENGINE_PROCESS_BYTES) / GIB) if on_cpu else 0.0
         notes["rollout engine"] = ("colocated vLLM (its own processes): weights, KV cache, its processes" if on_cpu
                                    else "colocated vLLM: its GPU share is taken out of the budget")
+        if on_cpu:  # on CUDA both are host memory, outside the device's budget
+            terms["rollout client"] = (VLLM_LIBRARY_BYTES + n_policy * 4) / GIB
+            notes["rollout client"] = "vLLM's library here, the weight-sync slots in /dev/shm"
     rss = _rss_now()
     terms["this process"] = rss / GIB
     notes["this process"] = "resident now (Python, torch, the libraries)"
