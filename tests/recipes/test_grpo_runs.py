@@ -122,21 +122,21 @@ def test_grpo_fsdp2_tied_equals_peer(tmp_path, tiny_tied_path, peer, lora):
 def test_grpo_variants_run(tmp_path):
     """Two GRPO steps on the tiny model with RLOO advantages, GSPO's sequence-level ratio, clip-higher, truncated
     responses masked out of the loss, and 4 held-out samples per prompt (a response passes at reward >= 0.25, one
-    kind word): finite losses and metrics, a zero gradient on a step whose responses are all truncated (step 1 here),
-    eval/pass@1 <= pass@2 <= pass@4 in [0, 1] and no pass@8."""
+    kind word): finite losses and metrics, a zero gradient exactly on a step whose responses are all truncated (seed 3:
+    step 1 here; the random model ends a response with EOS in a few of 64 draws), eval/pass@1 <= pass@2 <= pass@4 in
+    [0, 1] and no pass@8."""
     out = tmp_path / "run"
     run(recipe_cmd("grpo.py", ["--config", TINY, "--output_dir", str(out), "--max_steps", "2", "--logging_steps",
                                "1", "--advantage_estimator", "rloo", "--importance_sampling_level", "sequence",
                                "--epsilon_high", "0.28", "--mask_truncated_completions", "--num_generations_eval",
-                               "4", "--pass_threshold", "0.25"]), timeout=300)
+                               "4", "--pass_threshold", "0.25", "--seed", "3"]), timeout=300)
     rows = metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
         assert all(math.isfinite(r[k]) for k in ("actor/pg_loss", "actor/pg_clipfrac", "grad_norm", "kl"))
-    # the random model ends no response of step 1 with EOS: all are masked, so no gradient (and no NaN from the
-    # empty counts); step 2 has a few that end and trains on them
-    assert rows[1]["response_length/clip_ratio"] == 1.0 and rows[1]["grad_norm"] == 0.0, rows[1]
-    assert rows[2]["response_length/clip_ratio"] < 1.0 and rows[2]["grad_norm"] > 0.0, rows[2]
+        # all masked: no gradient (and no NaN from the empty counts); a few that end: it trains on them
+        assert (r["response_length/clip_ratio"] == 1.0) == (r["grad_norm"] == 0.0), r
+    assert sorted(r["response_length/clip_ratio"] == 1.0 for r in rows[1:]) == [False, True], rows  # both cases
     for r in (rows[0], rows[-1]):
         p = [r[f"eval/pass@{k}"] for k in (1, 2, 4)]
         assert 0.0 <= p[0] <= p[1] <= p[2] <= 1.0, r

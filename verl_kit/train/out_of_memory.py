@@ -94,10 +94,9 @@ class Attempt:
 def attempts(models: tuple, cfg, step: int, items: list, costs: list[int], tally=None):
     """Yield Attempts of the Trainables `models` at splitting `items` (one optimizer step's, `costs` tokens each) into
     micro-batches by `cfg` (a BatchConfig: its token budget, train.micro_batches), until one ends without running out
-    of memory; between
-    them the budget halves (module docstring), or the run stops in one line where it cannot. `tally`: a train.Tally
-    the step adds to, put back to where it was after a failed attempt. `step`: the optimizer step's number (1-based in
-    messages)."""
+    of memory; between them the budget halves (module docstring), or the run stops in one line where it cannot.
+    `tally`: a train.Tally the step adds to, put back to where it was after a failed attempt. `step`: the optimizer
+    step's number (0-based; 1-based in messages)."""
     from verl_kit.train.distributed import micro_batches
 
     while True:
