@@ -58,10 +58,9 @@ def test_generating_on_the_trained_model_itself(tiny_model_path, tokenizer):
     from verl_kit.models import load_causal_lm
     from verl_kit.rollout.hf import shares_policy
 
-    assert shares_policy(1, "none", False, False, False)
-    assert not any([shares_policy(2, "ddp", False, False, False), shares_policy(1, "zero3", False, False, False),
-                    shares_policy(1, "none", True, False, False), shares_policy(1, "none", False, True, False),
-                    shares_policy(1, "none", False, False, True)])
+    assert shares_policy(True, False, False, False)
+    assert not any([shares_policy(False, False, False, False), shares_policy(True, True, False, False),
+                    shares_policy(True, False, True, False), shares_policy(True, False, False, True)])
     actor = load_causal_lm(tiny_model_path, gradient_checkpointing=True).train()
     prompts = [tokenizer("<|user|>Describe the sea.<|end|><|assistant|>")["input_ids"], [5, 6, 7]]
     params = SamplingParams(temperature=0.7, max_new_tokens=12, n=3)

@@ -157,3 +157,24 @@ def test_auto_budget_run_equals_its_fixed_budget_and_resumes_with_it(tmp_path):
     assert f"keeps its budget {budget} (the plan chose None now)" in p.stderr, p.stderr[-2000:]
     wr = load_weights(resumed / "final")
     assert all(torch.equal(wa[k], wr[k]) for k in wa)
+
+
+def test_the_rollout_engines_share_of_the_trainer(tiny_model_path):
+    """A colocated vLLM engine on CPU: the trainer also holds vllm's library (0.28 GiB, measured) and the weight-sync
+    slots (4 B per parameter), its "rollout client" term; HF generate on the trained model itself (one unsharded
+    process) counts its KV cache only, on a sharded one the copy of the policy too."""
+    import types
+
+    from verl_kit.config import RolloutConfig, TrainConfig, VLLMConfig
+
+    n = mp.parameter_count(tiny_model_path)
+    tc = TrainConfig(output_dir="unused", memory_limit_gib=100.0)
+    acc = lambda whole: types.SimpleNamespace(num_processes=1, is_main_process=True,  # noqa: E731
+                                              sharding=types.SimpleNamespace(name="none", whole=whole))
+    plan = lambda backend, whole=True: mp.plan(acc(whole), tc, tiny_model_path, [[5] * 20],  # noqa: E731
+                                                rollout=RolloutConfig(rollout=backend), vllm=VLLMConfig())
+    colocated = plan("vllm")
+    assert colocated.terms["rollout client"] == pytest.approx((mp.VLLM_LIBRARY_BYTES + 4 * n) / GIB)
+    shared, copied = plan("hf"), plan("hf", whole=False)
+    assert "rollout client" not in shared.terms and "on the trained model" in shared.notes["rollout engine"]
+    assert copied.terms["rollout engine"] - shared.terms["rollout engine"] == pytest.approx(4 * n / GIB)

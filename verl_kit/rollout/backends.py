@@ -71,8 +71,8 @@ def make_backend(cfg: RolloutConfig, vllm_cfg: VLLMConfig, accelerator, actor, m
     start_servers; several: VLLMServers routes over them); only process 0 pushes weights to a server."""
     dtype = rollout_dtype(accelerator)
     if cfg.rollout == "hf":
-        share = shares_policy(accelerator.num_processes, accelerator.sharding.name, lora.peft_model(actor) is not None,
-                              dtype != torch.float32, cfg.async_rollout)
+        share = shares_policy(accelerator.sharding.whole, lora.peft_model(actor) is not None, dtype != torch.float32,
+                              cfg.async_rollout)
         return HFGenerateBackend(actor, tokenizer, accelerator.device, dtype, accelerator.sharding, share)
     rank = accelerator.process_index
     vllm_dtype = str(dtype).removeprefix("torch.")

@@ -108,10 +108,11 @@ class _Kept:
         return (torch.cat([self.ids[ix, :C], block], 1), torch.cat([self.mask[ix, :C], block_mask], 1), self.cache)
 
 
-def shares_policy(processes: int, sharding: str, lora: bool, bf16: bool, async_rollout: bool) -> bool:
-    """Whether the HF backend generates on the trained model itself rather than a copy (the module docstring): one
-    process, no sharding, no LoRA, fp32 (a bf16 run generates in bf16 from fp32 weights), no --async_rollout."""
-    return processes == 1 and sharding == "none" and not lora and not bf16 and not async_rollout
+def shares_policy(whole: bool, lora: bool, bf16: bool, async_rollout: bool) -> bool:
+    """Whether the HF backend generates on the trained model itself rather than a copy (the module docstring): the
+    model `whole` in this process (Sharding.whole: one process, no sharding), no LoRA, fp32 (a bf16 run generates in
+    bf16 from fp32 weights), no --async_rollout."""
+    return whole and not lora and not bf16 and not async_rollout
 
 
 class HFGenerateBackend:

@@ -261,7 +261,7 @@ def plan(accelerator, tc, model_path: str, costs: list[int], *, frozen: tuple[st
             * head_dim * 4 * tc.max_length * tc.per_device_train_batch_size
         from verl_kit.rollout.hf import shares_policy
 
-        copy = not shares_policy(world, name, lora, bf16, rollout.async_rollout)
+        copy = not shares_policy(accelerator.sharding.whole, lora, bf16, rollout.async_rollout)
         terms["rollout engine"] = (n_policy * 4 * copy + kv) / GIB
         notes["rollout engine"] = ("HF generate: a copy of the policy and its KV cache" if copy
                                    else "HF generate on the trained model: its KV cache")

@@ -13,6 +13,8 @@ What each answers:
     frozen(loader)                a model that is only run forward, placed in the same lockstep
     accumulating(model, last)     the context of one micro-batch's forward and backward (gradient sync on the last)
     backward(model, loss), step(model, optimizer, max_grad_norm) -> (gradient norm, skipped)
+    discard(model, optimizer)     drop a step's gradients mid-step, where `can_discard` (out-of-memory retries)
+    whole                         the trained model is the plain module, whole in this process (one process, unsharded)
     full_params(model, params)    a context in which `full(t)` is the whole tensor (weight sync)
     full_numel(p)                 the whole parameter's size (weight-sync buckets)
     full_state_dict(model)        the whole state dict on the main process (export)
@@ -47,6 +49,12 @@ class Sharding:
     layout = "accelerate"  # accelerate's whole-model files: one process and DDP read each other's
     builds_empty = False
     can_discard = True  # a step's accumulated gradients can be dropped mid-step (train/out_of_memory.py)
+
+    @property
+    def whole(self) -> bool:
+        """The trained model is the plain module itself, every parameter whole in this one process (no wrapper, no
+        shards): what can read it directly (the HF rollout backend, rollout.hf.shares_policy)."""
+        return self.accelerator.num_processes == 1
 
     def __init__(self, accelerator: accelerate.Accelerator):
         self.accelerator = accelerator
@@ -179,6 +187,7 @@ class DeepSpeed(Sharding):
 
     layout = "deepspeed"
     can_discard = False  # its engine holds a step's partial gradient partitions; no public call drops them mid-step
+    whole = False  # an engine around partitions, whatever the process count
 
     def __init__(self, accelerator: accelerate.Accelerator):
         super().__init__(accelerator)
@@ -265,6 +274,7 @@ class FSDP2(Sharding):
     files."""
 
     layout = "fsdp2"
+    whole = False  # DTensor shards, even on one process
 
     def __init__(self, accelerator: accelerate.Accelerator):
         super().__init__(accelerator)
