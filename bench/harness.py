@@ -144,7 +144,7 @@ def run(cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = Non
 
 
 PLAN_ROW = re.compile(r"^(?:\[\S+\] )?\s+(model state|frozen models|activations|LM-head tiles|rollout engine|"
-                      r"rollout client|this process|total)\s+([\d.]+) GiB\s*(.*)$")
+                      r"KV cache|rollout client|this process|total)\s+([\d.]+) GiB\s*(.*)$")
 
 
 def plan_terms(log: str) -> dict:

@@ -121,7 +121,7 @@ def main():
     # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
     memory = train.plan_memory(accelerator, cfg.train, model_path, prompts.ids,
                                frozen=teach.frozen_copies(model_path, cfg.train.use_peft),
-                               rollout=cfg.rollout, vllm=cfg.vllm)
+                               rollout=cfg.rollout, vllm=cfg.vllm, generations=dist.num_generations)
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
     actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)  # the student
     ema = None  # --teacher_model_kind ema: the average of the student, moved after each optimizer step

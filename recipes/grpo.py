@@ -115,7 +115,7 @@ def main():
     # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
     memory = train.plan_memory(accelerator, cfg.train, model_path, prompts.ids,
                                frozen=(model_path,) if grpo.beta and not cfg.train.use_peft else (),
-                               rollout=cfg.rollout, vllm=cfg.vllm)
+                               rollout=cfg.rollout, vllm=cfg.vllm, generations=grpo.num_generations)
     policy = models.without_dropout(models.load_policy(model_path, cfg.train))  # see models.without_dropout
     actor = train.Trainable(accelerator, policy, cfg.train, cfg.train.learning_rate, total_steps)
     # the initial policy; with --use_peft the actor itself with its adapter disabled (no second copy of the weights)

@@ -400,7 +400,8 @@ class RolloutConfig(Config):
 
     CHOICES: ClassVar[dict] = {"rollout": tuple(ROLLOUT_BACKENDS),  # the one list of backend names
                                "curriculum": ("none", "difficulty")}
-    RESUME: ClassVar[dict] = dict.fromkeys(("rollout_timeout_s", "num_generations_eval", "pass_threshold"), "free")
+    RESUME: ClassVar[dict] = dict.fromkeys(("rollout_timeout_s", "num_generations_eval", "pass_threshold",
+                                            "max_failed_steps"), "free")
 
     rollout: str = field(default="hf", metadata={
         "help": "; ".join(f"{b.name}: {b.help}" for b in ROLLOUT_BACKENDS.values())})
@@ -422,6 +423,12 @@ class RolloutConfig(Config):
                 "4, ... <= n (unbiased estimator, Chen et al. 2021)"})
     pass_threshold: float = field(default=1.0, metadata={
         "help": "eval/pass@k and --curriculum: a response passes when its reward is >= this"})
+    max_failed_steps: int = field(default=3, metadata={
+        "help": "steps in a row with nothing to learn from, after which the run stops with one line naming the most "
+                "common failure instead of training on nothing: every episode failed (an agent or environment "
+                "raised or timed out: episode/env_errors), or a reward source scored every response "
+                "--reward_fallback (it raised, timed out or was not finite: reward/errors, reward/timeouts); "
+                "0: never stop"})
     curriculum: str = field(default="none", metadata={
         "help": "difficulty: draw each step's prompts by their last solve rate (verl_kit.rollout.curriculum): weight 1 "
                 "for unseen and partly solved prompts, --curriculum_easy_weight for those every sample passed, "
@@ -434,6 +441,7 @@ class RolloutConfig(Config):
     def __post_init__(self):
         super().__post_init__()
         self.at_least(1, "prompts_per_step", "max_completion_length", "num_generations_eval")
+        self.at_least(0, "max_failed_steps")
         for name in ("curriculum_easy_weight", "curriculum_hard_weight"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise UserError(f"--{name} {getattr(self, name)}: use a positive weight (1 draws such prompts as "
@@ -545,7 +553,7 @@ class VLLMConfig(Config):
 class EnvironmentConfig(Config):
     """Multi-turn episodes (docs/environments.md): an environment class or tool functions, TRL's API."""
 
-    RESUME: ClassVar[dict] = dict.fromkeys(("env_timeout_s", "max_failed_steps"), "free")
+    RESUME: ClassVar[dict] = dict.fromkeys(("env_timeout_s",), "free")
 
     environment_factory: str | None = field(default=None, metadata={
         "help": "multi-turn episodes (docs/environments.md): module:Class or path/to/file.py:Class, one instance per "
@@ -572,17 +580,12 @@ class EnvironmentConfig(Config):
         "help": "seconds each call of an environment's reset, respond or get_reward may take (interrupted on the "
                 "main thread); past it the episode ends as a counted failure (episode/env_errors) and the run goes "
                 "on; a tool call has --tool_timeout_s"})
-    max_failed_steps: int = field(default=3, metadata={
-        "help": "steps in a row whose every episode failed (an agent or environment raised, timed out: "
-                "episode/env_errors) after which the run stops with one line naming the most common failure, "
-                "instead of training on nothing; 0: never stop"})
 
     def __post_init__(self):
         super().__post_init__()
         if self.agent and (self.environment_factory or self.tools):
             raise UserError("--agent runs its own tools: give it alone, without --environment_factory or --tools")
         self.at_least(1, "agent_max_concurrency")
-        self.at_least(0, "max_failed_steps")
         if self.env_timeout_s is not None and self.env_timeout_s <= 0:
             raise UserError(f"--env_timeout_s {self.env_timeout_s}: use > 0")
         if self.agent_timeout_s <= 0:

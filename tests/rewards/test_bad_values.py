@@ -119,9 +119,10 @@ def blocks(prompts, completions):
 def test_grpo_with_a_nan_environment_reward(tmp_path):
     """Issue 39's case through recipes/grpo.py on the tiny model (2 steps, checkpoint every step): the environment's
     NaN stops the run at step 1 with one line naming it, before anything is trained or saved; with
-    --reward_fallback 0 both steps train on finite rewards (reward/errors counts every episode), and the saved and
-    final weights are finite. That run also has a reward function that never returns (--reward_timeout_s 0.5): each
-    step's batch call is cut and scored by the fallback (reward/timeouts), and the run does not hang."""
+    --reward_fallback 0 steps train on finite rewards (reward/errors counts every episode), and the saved weights are
+    finite. That run also has a reward function that never returns (--reward_timeout_s 0.5): each step's batch call is
+    cut and scored by the fallback (reward/timeouts), the run does not hang, and the third step in a row on which it
+    scored nothing stops the run in one line (--max_failed_steps 3, the default) before training on it."""
     env = tmp_path / "nan_env.py"
     env.write_text(NAN_ENV)
     args = ["--config", "recipes/configs/grpo_tiny.yaml", "--environment_factory", f"{env}:NaNReward",
@@ -134,12 +135,19 @@ def test_grpo_with_a_nan_environment_reward(tmp_path):
     assert not list((tmp_path / "stop").glob("checkpoint-*"))
 
     out = tmp_path / "fallback"
-    run(recipe_cmd("grpo.py", [*args, "--reward_fallback", "0", "--reward_timeout_s", "0.5", "--output_dir", str(out),
-                               "--reward_fn", f"verl_kit.rewards:kind_reply,{env}:blocks"]), timeout=300)
+    p = run(recipe_cmd("grpo.py", [*args, "--reward_fallback", "0", "--reward_timeout_s", "0.5", "--output_dir",
+                                   str(out), "--reward_fn", f"verl_kit.rewards:kind_reply,{env}:blocks",
+                                   "--max_steps", "3"]), check=False, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == (  # issue 55 item 8: not a third step on nothing from `blocks`
+        "error: every response of 3 steps in a row (steps 1-3) got --reward_fallback from one reward source, nothing "
+        f"to learn from it: reward function {env}:blocks did not return within 0.5 s (--reward_timeout_s) "
+        "(--max_failed_steps)")
     rows = [r for r in metrics(out) if r["step"] >= 1 and "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["reward/mean"]) for r in rows)
     # 4 prompts x 4 generations per step, totals since the start
     assert [(r["reward/errors"], r["reward/timeouts"]) for r in rows] == [(16, 16), (32, 32)]
     assert all(math.isfinite(r["grad_norm"]) for r in rows)
-    for d in ("checkpoint-1", "checkpoint-2", "final"):
+    for d in ("checkpoint-1", "checkpoint-2"):
         assert all(bool(torch.isfinite(t).all()) for t in load_weights(out / d).values()), d
+    assert not (out / "final").exists()

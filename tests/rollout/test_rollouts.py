@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from verl_kit.errors import UserError
+from verl_kit.rewards import CallLimits, Rewards
 from verl_kit.rollout import Prompts, Rollout, Rollouts, SamplingParams, Scores, SingleTurn, dynamic_sampling
 from verl_kit.rollout.types import episode_info
 
@@ -193,12 +194,59 @@ def test_steps_whose_every_episode_failed_stop_the_run():
     episode failed, naming the most common failure; a good step resets the count; 0 never stops. On main 64ad734 such
     a run logged a warning per batch and trained on nothing to the end, exit 0."""
     rollouts = Rollouts(FlakyEpisodes({0, 2, 3, 4}), STEPS, request, total_steps=6, max_failed_steps=3)
+    nothing = Scores(torch.zeros(1))
     for step in range(4):
-        rollouts.get(step)
+        rollouts.observe(rollouts.get(step)[0], nothing)
+    ro, _ = rollouts.get(4)
     with pytest.raises(UserError) as e:
-        rollouts.get(4)
+        rollouts.observe(ro, nothing)
     assert str(e.value) == ("every episode of 3 steps in a row failed (steps 3-5), nothing to learn from; the most "
                             "common failure (1 of 1 on this process): agent a raised ValueError: boom "
                             "(--max_failed_steps)")
     patient = Rollouts(FlakyEpisodes(set(range(6))), STEPS, request, total_steps=6, max_failed_steps=0)
-    assert [patient.get(step)[0].episodes[0]["env_errors"] for step in range(6)] == [1] * 6
+    for step in range(6):
+        ro, _ = patient.get(step)
+        assert patient.observe(ro, nothing) == {} and ro.episodes[0]["env_errors"] == 1
+
+
+class Digits:
+    """The tokenizer of PromptEchoEngine's responses as Rewards decodes them: token i is the text str(i)."""
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["".join(map(str, x.tolist())) for x in ids]
+
+
+VERIFIER = '''
+def verifier(prompts, completions):  # down at steps 1, 3 and 4 (step s answers with the text of s)
+    if completions[0] in "134":
+        raise ConnectionError("verifier down")
+    return [1.0] * len(completions)
+'''
+
+
+def test_steps_whose_every_reward_fell_back_stop_the_run(tmp_path):
+    """Issue 55, item 8, for reward functions: with --reward_fallback a reward function that fails on every response
+    scores the run a constant, nothing to learn from. A step whose batch a source scored entirely by the fallback
+    (Scores.failure, from the real Rewards) counts towards --max_failed_steps as a step of failed episodes does; a
+    step it scored resets the count; a batch scored but not observed (held out) does not count. Before, such a run
+    trained on the fallback to its last step, exit 0."""
+    (tmp_path / "verifier.py").write_text(VERIFIER)
+    spec = f"{tmp_path / 'verifier.py'}:verifier"
+    reward = Rewards(spec, None, None, tokenizer=Digits(), limits=CallLimits(fallback=0.0))
+    split = Prompts([{"prompt": str(step)} for step in range(8)], STEPS.ids)
+    rollouts = Rollouts(SingleTurn(PromptEchoEngine()), split, lambda step, k=0: ([step], SamplingParams(n=4)),
+                        total_steps=8, max_failed_steps=2)
+    seen, down = [], f"reward function {spec} raised ConnectionError: verifier down"
+    for step in range(4):
+        ro, _ = rollouts.get(step)
+        scored = reward.of_rollout(ro)
+        seen.append(scored.failure)
+        rollouts.observe(ro, scored)
+    assert seen == [None, down, None, down] and rollouts.failed_steps == 1
+    assert reward.of_rollout(ro).failure == down and rollouts.failed_steps == 1  # scored again, not observed
+    ro, _ = rollouts.get(4)
+    with pytest.raises(UserError) as e:
+        rollouts.observe(ro, reward.of_rollout(ro))
+    assert str(e.value) == ("every response of 2 steps in a row (steps 4-5) got --reward_fallback from one reward "
+                            f"source, nothing to learn from it: {down} (--max_failed_steps)")
+    assert reward.limits.errors == 4 * 4

@@ -178,3 +178,17 @@ def test_the_rollout_engines_share_of_the_trainer(tiny_model_path):
     shared, copied = plan("hf"), plan("hf", whole=False)
     assert "rollout client" not in shared.terms and "on the trained model" in shared.notes["rollout engine"]
     assert copied.terms["rollout engine"] - shared.terms["rollout engine"] == pytest.approx(4 * n / GIB)
+    # HF generate's KV cache: the samples generated at once (prompts per process x generations) at the longest
+    # prompt + completion, fp32, K and V of every layer; it never coexists with the update's activations and tiles,
+    # so the total counts the larger of the two
+    config = mp.meta_model(tiny_model_path).config
+    head_dim = config.hidden_size // config.num_attention_heads
+    for generations in (1, 64):
+        rollout = RolloutConfig(rollout="hf", prompts_per_step=8, max_completion_length=50)
+        p = mp.plan(acc(True), tc, tiny_model_path, [[5] * 20, [5] * 30], generations=generations, rollout=rollout,
+                    vllm=VLLMConfig())
+        kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4 * 8 * generations * 80 / GIB
+        assert p.terms["KV cache"] == pytest.approx(kv)
+        update = p.terms["activations"] + p.terms["LM-head tiles"]
+        rest = sum(v for k, v in p.terms.items() if k not in ("KV cache", "activations", "LM-head tiles"))
+        assert p.total == pytest.approx(rest + max(kv, update)) and (kv > update) == (generations == 64)

@@ -3,6 +3,7 @@ own tokenizer and chat template), weighted and summed, with the missing-EOS pena
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -43,6 +44,7 @@ class Rewards:
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
         self.limits = limits or CallLimits()
         self.reward_model, self.missing_eos_penalty = reward_model, missing_eos_penalty
+        self.unscored: str | None = None  # the last batch's source that scored every response --reward_fallback
         self.tokenizer = tokenizer  # the policy's: of_rollout decodes responses with it
         n = len(self.fns) + bool(reward_model)
         try:
@@ -58,15 +60,27 @@ class Rewards:
     def sources(self, prompts: list, completions: list[str], columns: dict[str, list] | None = None, *,
                 completion_ids: list | None = None) -> dict[str, torch.Tensor]:
         """Each source's own scores (B,), unweighted, by name (`names`: the reward function's __name__, the reward
-        model's directory name), in --reward_weights order."""
-        scores = [call_reward_fn(spec, fn, prompts, completions, columns, completion_ids, self.limits)
-                  for spec, fn in self.fns]
+        model's directory name), in --reward_weights order. A source that scored every response --reward_fallback
+        is named in `unscored` (what the last one said), which of_rollout hands on as Scores.failure."""
+        scores, self.unscored = [], None
+        for spec, fn in self.fns:
+            with self._watch(len(completions)):
+                scores.append(call_reward_fn(spec, fn, prompts, completions, columns, completion_ids, self.limits))
         if self.reward_model:  # a non-finite score: --reward_fallback, or one line naming the model and the sample
-            scores.append(torch.tensor([nonfinite_score(f"reward model {self.names[-1]}", v, self.limits, p, c, i)
-                                        for i, (v, p, c) in enumerate(zip(
-                                            self.model_scores(prompts, completions), prompts, completions))],
-                                       dtype=torch.float32))
+            with self._watch(len(completions)):
+                scores.append(torch.tensor([nonfinite_score(f"reward model {self.names[-1]}", v, self.limits, p, c, i)
+                                            for i, (v, p, c) in enumerate(zip(
+                                                self.model_scores(prompts, completions), prompts, completions))],
+                                           dtype=torch.float32))
         return dict(zip(self.names, scores))
+
+    @contextlib.contextmanager
+    def _watch(self, n: int):
+        """Around one source's scoring of n responses: when all n got the fallback, `unscored` says why."""
+        before = self.limits.fallbacks
+        yield
+        if n and self.limits.fallbacks - before >= n:
+            self.unscored = self.unscored or self.limits.last_failure
 
     def model_scores(self, prompts: list, completions: list[str]) -> list[float]:
         """The reward model's scores; a served one's failed request (rewards.remote.RewardServerError) scores every
@@ -83,6 +97,7 @@ class Rewards:
                 self.limits.timeouts += len(completions)
             else:
                 self.limits.errors += len(completions)
+            self.limits.last_failure = f"reward model at {self.reward_model.url}: {e}"
             return [self.limits.fallback] * len(completions)
 
     def total(self, sources: dict[str, torch.Tensor], truncated: torch.Tensor) -> torch.Tensor:
@@ -122,7 +137,7 @@ class Rewards:
             total = total + sources[name]
         total = torch.tensor([nonfinite_score("the weighted reward total", v, self.limits, p, c, i)
                               for i, (v, p, c) in enumerate(zip(total.tolist(), prompts, completions))])
-        return Scores(total, sources)
+        return Scores(total, sources, failure=self.unscored)
 
     def environment(self, rollout, prompts: list, completions: list[str]) -> torch.Tensor:
         """Each episode's get_reward() (B,): where it raised (rollout.episodes[i]["reward_error"], counted in

@@ -286,13 +286,20 @@ class CallLimits:
     """What a reward call may cost and what a failed one scores (OnlineConfig's --reward_* flags), with the counts of
     what happened: `timeout_s` per call (None: no limit), `fallback` the score of a response whose call timed out or
     raised or whose score is not finite (None: the run stops with one line), `max_concurrency` async calls in flight
-    at once. `timeouts` and `errors` count the responses that got the fallback, since the run started."""
+    at once. `timeouts` and `errors` count the responses that got the fallback, since the run started; `last_failure`
+    says why the last one did."""
 
     timeout_s: float | None = None
     fallback: float | None = None
     max_concurrency: int = 16
     timeouts: int = 0
     errors: int = 0
+    last_failure: str | None = None
+
+    @property
+    def fallbacks(self) -> int:
+        """The responses scored by the fallback so far (timed out or failed)."""
+        return self.timeouts + self.errors
 
 
 def _with_timeout(call, timeout_s: float | None, name: str):
@@ -315,6 +322,7 @@ def _failed(name: str, limits: CallLimits, what: str, where: str, timed_out: boo
         limits.timeouts += 1
     else:
         limits.errors += 1
+    limits.last_failure = f"reward function {name} {what}"
     return limits.fallback
 
 
@@ -474,6 +482,7 @@ def nonfinite_score(source: str, value: float, limits: CallLimits, prompt, compl
                         f"{_excerpt(completion)}); expected a finite number (pass --reward_fallback <score> to score "
                         "such samples and go on)")
     limits.errors += 1
+    limits.last_failure = f"{source} returned {value!r}"
     return limits.fallback
 
 

@@ -57,9 +57,10 @@ class Rollouts:
     `max_staleness`: None for synchronous rollouts, else how many steps ahead batches are generated. `runner`: the
     rollout.types.EpisodeRunner that plays the episodes over its `engine` (a RolloutBackend, synced by load_weights);
     `servers`: the vLLM servers the run started, stopped by close(); `eval_params`: the held-out evaluation's sampling;
-    `pass_threshold`: the score a held-out response passes at; `max_failed_steps`: steps in a row whose every
-    episode failed (on every process) after which get() stops the run in one line (0: never); `curriculum`: the
-    --curriculum table `request` draws from (observe() feeds it), saved with the batches."""
+    `pass_threshold`: the score a held-out response passes at; `max_failed_steps`: steps in a row with nothing to
+    learn from (on every process: every episode failed, or a reward source scored every response its fallback) after
+    which observe() stops the run in one line (0: never); `curriculum`: the --curriculum table `request` draws from
+    (observe() feeds it), saved with the batches."""
 
     def __init__(self, runner: EpisodeRunner, split: Prompts,
                  request: Callable[[int, int], tuple[list[int], SamplingParams]], total_steps: int,
@@ -73,6 +74,7 @@ class Rollouts:
         self.servers, self.eval_params, self.pass_threshold = list(servers), eval_params, pass_threshold
         self.ahead, self.timeout_s = max_staleness, timeout_s
         self.max_failed_steps, self.failed_steps = max_failed_steps, 0
+        self.unchecked: int | None = None  # the step whose own batch observe() has not seen yet
         self.curriculum = curriculum
         self.version = 0  # of the weights the engine has
         self.batches: dict[int, tuple[Future, int]] = {}  # step -> (its rollout, the version that generates it)
@@ -126,22 +128,28 @@ class Rollouts:
             self._submit(s)
         future, version = self.batches.pop(step)
         ro = self._wait(future, f"the rollout of step {step}")
-        self._stop_if_failing(ro, step)
+        self.unchecked = step
         return ro, step - version
 
-    def _stop_if_failing(self, ro: Rollout, step: int) -> None:
-        """Count the steps in a row whose every episode failed on every process (collective); at max_failed_steps
-        stop the run in one line naming this process's most common failure, rather than train on nothing."""
-        if not self.max_failed_steps or ro.episodes is None:
+    def _stop_if_failing(self, ro: Rollout, scored: Scores, step: int) -> None:
+        """Count the steps in a row with nothing to learn from on every process (collective): every episode failed,
+        or a reward source scored every response --reward_fallback (Scores.failure). At max_failed_steps stop the run
+        in one line naming this process's most common failure, rather than train on nothing."""
+        if not self.max_failed_steps:
             return
-        episodes = [ro.episodes[i] for i in ro.first_rows()]
-        failed = all(e.get("env_errors") for e in episodes)
+        episodes = [ro.episodes[i] for i in ro.first_rows()] if ro.episodes is not None else []
+        episodes_failed = bool(episodes) and all(e.get("env_errors") for e in episodes)
+        failed = episodes_failed or scored.failure is not None
         self.failed_steps = self.failed_steps + 1 if -all_reduce_max(-float(failed)) else 0
-        if self.failed_steps >= self.max_failed_steps:
+        if self.failed_steps < self.max_failed_steps:
+            return
+        steps = f"{self.failed_steps} steps in a row", f"(steps {step - self.failed_steps + 2}-{step + 1})"
+        if episodes_failed:
             why, n = Counter(e.get("failure") or "an environment method raised" for e in episodes).most_common(1)[0]
-            raise UserError(f"every episode of {self.failed_steps} steps in a row failed (steps "
-                            f"{step - self.failed_steps + 2}-{step + 1}), nothing to learn from; the most common "
+            raise UserError(f"every episode of {steps[0]} failed {steps[1]}, nothing to learn from; the most common "
                             f"failure ({n} of {len(episodes)} on this process): {why} (--max_failed_steps)")
+        raise UserError(f"every response of {steps[0]} {steps[1]} got --reward_fallback from one reward source, "
+                        f"nothing to learn from it: {scored.failure} (--max_failed_steps)")
 
     def more(self, step: int, k: int) -> Rollout:
         """The k-th further batch of `step` (k >= 1; --dynamic_sampling), generated now with the engine's weights
@@ -150,8 +158,13 @@ class Rollouts:
         return self._wait(self._call(self._generate, self.split, idx, params), f"batch {k} of step {step}")
 
     def observe(self, ro: Rollout, scored: Scores) -> dict:
-        """--curriculum: record a scored batch of the train split in the table (collective: every process, once per
-        batch, the step's own and each further one); its curriculum/* metrics. {} without a curriculum."""
+        """A scored batch of the train split (collective: every process, once per batch, the step's own and each
+        further one). The step's own batch counts towards --max_failed_steps (a step with nothing to learn from stops
+        the run in one line there); with --curriculum the batch is recorded in the table: its curriculum/* metrics,
+        else {}."""
+        if self.unchecked is not None:
+            step, self.unchecked = self.unchecked, None
+            self._stop_if_failing(ro, scored, step)
         if self.curriculum is None:
             return {}
         first = ro.first_rows()
@@ -299,4 +312,4 @@ def make_rollouts(accelerator, actor, tokenizer, split: Prompts, *, rollout: Rol
     return Rollouts(runner, split, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
                     cfg.rollout_timeout_s, servers=servers, pass_threshold=cfg.pass_threshold,
                     eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)),
-                    max_failed_steps=env_cfg.max_failed_steps if env_cfg is not None else 0, curriculum=curriculum)
+                    max_failed_steps=cfg.max_failed_steps, curriculum=curriculum)

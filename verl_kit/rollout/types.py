@@ -317,18 +317,21 @@ class Scores:
     """What a rollout's B responses scored (rewards.Rewards.of_rollout):
     total    (B,) float32           the sequence score the advantages use (weighted sum of the sources, penalties)
     sources  {name: (B,) float32}   each reward source's own scores, unweighted (the rewards/<name>/* metrics)
+    failure  str | None             why a source scored every response --reward_fallback (nothing to learn from it)
     """
 
     total: torch.Tensor
     sources: dict[str, torch.Tensor] = field(default_factory=dict)
+    failure: str | None = None
 
     def select(self, rows: list[int]) -> Scores:
         """The scores of `rows`, in that order (as select_rows)."""
         ix = torch.tensor(rows, dtype=torch.long)
-        return Scores(self.total[ix], {k: v[ix] for k, v in self.sources.items()})
+        return Scores(self.total[ix], {k: v[ix] for k, v in self.sources.items()}, self.failure)
 
     @staticmethod
     def concat(batches: list[Scores]) -> Scores:
         """The scores of several batches, in order, as one (as concat_rollouts)."""
         return Scores(torch.cat([b.total for b in batches]),
-                      {k: torch.cat([b.sources[k] for b in batches]) for k in batches[0].sources})
+                      {k: torch.cat([b.sources[k] for b in batches]) for k in batches[0].sources},
+                      batches[0].failure if all(b.failure for b in batches) else None)

@@ -16,9 +16,12 @@ The terms, per process (fp32 unless said):
     LM-head tiles      one logits tile (at most 4096 positions x 4096 columns, fp32) and two temporaries of its size
                        (train.lm_head)
     rollout engine     HF generate: a plain copy of the policy (4 B per parameter; none where it generates on the
-                       trained model, rollout.hf.shares_policy) and its KV cache; a colocated vLLM
-                       engine (other processes of this node, counted against the same memory): its weights, its KV
-                       cache (--vllm_kv_cache_gib on CPU) and ~1.5 GiB of its own processes
+                       trained model, rollout.hf.shares_policy); a colocated vLLM engine (other processes of this
+                       node, counted against the same memory): its weights, its KV cache (--vllm_kv_cache_gib on CPU)
+                       and ~1.5 GiB of its own processes
+    KV cache           HF generate's: every sample this process generates at once (its prompts x generations) at its
+                       longest prompt + --max_completion_length, fp32; it exists during generation only, the
+                       activations and LM-head tiles during the update only, so the total counts the larger of the two
     rollout client     on CPU, a colocated vLLM engine's share in this process: the vllm library (0.28 GiB resident,
                        measured) and the same-host weight-sync slots, one copy of the synced weights in /dev/shm that
                        this process writes and keeps mapped (rollout.transport)
@@ -39,7 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -167,7 +170,10 @@ class MemoryPlan:
 
     @property
     def total(self) -> float:
-        return sum(self.terms.values())
+        """The terms' sum, where those of generation and those of the update (which never coexist) count as the
+        larger of the two groups."""
+        apart = [sum(self.terms.get(k, 0.0) for k in group) for group in (GENERATION, UPDATE)]
+        return sum(v for k, v in self.terms.items() if k not in GENERATION + UPDATE) + max(apart)
 
     def table(self) -> str:
         rows = [f"  {name:<16} {gib:7.2f} GiB  {self.notes.get(name, '')}" for name, gib in self.terms.items()]
@@ -195,6 +201,9 @@ class MemoryPlan:
                            self.budget.available, largest, self.terms[largest])
 
 
+GENERATION = ("KV cache",)  # terms of the generation only (HF generate's cache, dropped before the update)...
+UPDATE = ("activations", "LM-head tiles")  # ... and of the update only: a step's peak is the larger of the two
+
 MOVES = {
     "model state": "--use_peft, or ZeRO-3 / FSDP2 over more processes (accelerate_configs/zero3.yaml)",
     "frozen models": "ZeRO-3 / FSDP2 over more processes shard them; --use_peft makes the reference the base model",
@@ -202,19 +211,21 @@ MOVES = {
                    "--per_device_train_batch_size, shorter --max_length",
     "LM-head tiles": "nothing to set",
     "rollout engine": "--vllm_kv_cache_gib, --rollout vllm-server (the engine on other processes or hosts)",
+    "KV cache": "fewer --prompts_per_step per process, a shorter --max_completion_length, --rollout vllm",
     "rollout client": "--rollout vllm-server on another host (no slots here)",
     "this process": "nothing to set",
 }
 
 
 def plan(accelerator, tc, model_path: str, costs: list[int], *, frozen: tuple[str, ...] = (),
-         trained_extra: tuple[str, ...] = (), rollout=None, vllm=None) -> MemoryPlan:
+         trained_extra: tuple[str, ...] = (), rollout=None, vllm=None, generations: int = 1) -> MemoryPlan:
     """The plan of a run: `tc` its TrainConfig (the micro-batch, checkpointing, LoRA, bf16 flags), `model_path` the
     trained policy, `costs` the tokens of each item a micro-batch is made of (a sequence; a preference pair's two; an
     online recipe passes its prompts' ids, each sample counted at its prompt plus --max_completion_length),
     `frozen` the paths of frozen models (reference, teacher, reward model), `trained_extra` other trained models (a
     critic), `rollout` and `vllm` an online recipe's RolloutConfig and VLLMConfig (the backend; a colocated engine's
-    KV cache or GPU share). Logs the table on the main process, then refuses what cannot fit (MemoryPlan.check)."""
+    KV cache or GPU share), `generations` the samples of each prompt generated together (HF generate's cache).
+    Logs the table on the main process, then refuses what cannot fit (MemoryPlan.check)."""
     if rollout is not None:
         costs = [len(p) + rollout.max_completion_length for p in costs]  # a sample's tokens at most
     engine = rollout.rollout if rollout is not None else "none"
@@ -256,15 +267,19 @@ def plan(accelerator, tc, model_path: str, costs: list[int], *, frozen: tuple[st
     for key, (gib, note) in per_microbatch(tc.token_budget).items():
         terms[key], notes[key] = gib, note
     if engine == "hf":
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv = 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", config.num_attention_heads) \
-            * head_dim * 4 * tc.max_length * tc.per_device_train_batch_size
         from verl_kit.rollout.hf import shares_policy
 
         copy = not shares_policy(accelerator.sharding.whole, lora, bf16, rollout.async_rollout)
-        terms["rollout engine"] = (n_policy * 4 * copy + kv) / GIB
-        notes["rollout engine"] = ("HF generate: a copy of the policy and its KV cache" if copy
-                                   else "HF generate on the trained model: its KV cache")
+        terms["rollout engine"] = n_policy * 4 * copy / GIB
+        notes["rollout engine"] = ("HF generate: a copy of the policy" if copy
+                                   else "HF generate on the trained model: no copy")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        samples = rollout.prompts_per_step // world * generations
+        per_token = 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", config.num_attention_heads) \
+            * head_dim * 4
+        terms["KV cache"] = per_token * samples * max(costs, default=0) / GIB
+        notes["KV cache"] = (f"HF generate: {samples} samples x {max(costs, default=0)} tokens, during generation "
+                             "only (the total counts it or the update's terms, the larger)")
     elif engine == "vllm":
         on_cpu = not torch.cuda.is_available()
         terms["rollout engine"] = ((n_policy * 4 + kv_cache_gib * GIB + ENGINE_PROCESS_BYTES) / GIB) if on_cpu else 0.0
@@ -297,15 +312,18 @@ def auto_budget(plan: MemoryPlan, costs: list[int], tc, per_microbatch, accelera
     from verl_kit.train.distributed import all_reduce_max
 
     room = tc.memory_fraction * plan.budget.limit
-    grows = lambda b: sum(gib for gib, _ in per_microbatch(b).values())  # noqa: E731
-    fixed = plan.total - grows(None)
+
+    def fits(b: int) -> bool:  # the plan's total with micro-batches of at most b tokens
+        terms = {**plan.terms, **{k: gib for k, (gib, _) in per_microbatch(b).items()}}
+        return replace(plan, terms=terms).total <= room
+
     chosen = None
     if plan.total > room and costs:
         lo, hi = max(costs), largest_microbatch(costs, tc.per_device_train_batch_size, None)
-        if lo < hi and fixed + grows(lo) <= room:
-            while hi - lo > 1:  # fixed + grows(lo) fits, fixed + grows(hi) does not
+        if lo < hi and fits(lo):
+            while hi - lo > 1:  # lo fits, hi does not
                 mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fixed + grows(mid) <= room else (lo, mid)
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
             chosen = lo
     agreed = -all_reduce_max(-float(chosen if chosen is not None else "inf"))
     chosen = None if agreed == float("inf") else int(agreed)
