@@ -21,14 +21,16 @@ GIB = 2 ** 30
 
 
 def test_terms_by_hand(tiny_model_path):
-    """Activations: tokens x layers x (10 h + 4 m) x 4 B without checkpointing (h 576, m 1536: 46.5 KiB per token per
-    layer, docs/memory.md's SmolLM2 figure), tokens x (layers x h x 4 + one layer's) with it, half the width under
-    bf16. The largest micro-batch: the k longest items, or the token budget but never below the longest item. A
-    LoRA adapter counted on the meta model equals peft's trainable parameters on the real one."""
-    smol = types.SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30)
-    assert mp.activation_bytes(smol, 1, False, False) == 30 * (10 * 576 + 4 * 1536) * 4 == 1_428_480
-    assert mp.activation_bytes(smol, 10, True, False) == 10 * (30 * 576 * 4 + 47_616)
-    assert mp.activation_bytes(smol, 1, False, True) == 1_428_480 // 2
+    """Activations: tokens x layers x (12 h + 2 kv + 4 m) x 4 B without checkpointing (SmolLM2: h 576, 3 KV heads of
+    64, m 1536: 1.61 MB a token, docs/memory.md's measured 1.57-1.64), tokens x (layers x h x 4 + two layers') with
+    it, half the width under bf16. The largest micro-batch: the k longest items, or the token budget but never below
+    the longest item. A LoRA adapter counted on the meta model equals peft's trainable parameters on the real one."""
+    smol = types.SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                 num_attention_heads=9, num_key_value_heads=3)
+    layer = (12 * 576 + 2 * 3 * 64 + 4 * 1536) * 4
+    assert mp.activation_bytes(smol, 1, False, False) == 30 * layer == 1_612_800
+    assert mp.activation_bytes(smol, 10, True, False) == 10 * (30 * 576 * 4 + 2 * layer)
+    assert mp.activation_bytes(smol, 1, False, True) == 1_612_800 // 2
     assert mp.largest_microbatch([5, 90, 20, 40], 2, None) == 130
     assert mp.largest_microbatch([5, 90, 20, 40], 2, 100) == 100
     assert mp.largest_microbatch([5, 90, 20, 40], 2, 50) == 90  # an item is never split
