@@ -173,7 +173,7 @@ def main():
         timer, t_step = Timer(), time.time()
         # 1. rollout: the student's samples (any backend; with --async_rollout generated during the last update)
         with timer("gen"):
-            ro, staleness = rollouts.get(step)
+            ro, lag = rollouts.get(step)
         mask, B = ro.response_mask, ro.response_mask.shape[0]
         lengths = mask.sum(-1)
         costs = ro.costs  # tokens of each row's forward pass
@@ -245,7 +245,7 @@ def main():
         metrics = {**rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], (), prompts.sources),
                    "teacher_kl": t["teacher_kl"] / t["kl_tokens"],
                    **{f"actor/{k}": t[k] / t["tokens"] for k in ("loss", "pg_clipfrac", "approx_kl", "entropy")},
-                   **actor.metrics(grad_norms), "rollout/staleness": staleness, **algos.step_metrics(t),
+                   **actor.metrics(grad_norms), **lag, **algos.step_metrics(t),
                    **curriculum, **timer.seconds, **sync_metrics, **entropy_metrics}
         if not reward:
             metrics = {k: v for k, v in metrics.items() if not k.startswith("reward/")}

@@ -153,7 +153,7 @@ def main():
         timer, t_step = Timer(), time.time()
         # 1. rollout: num_generations responses per prompt, a prompt's group on one process
         with timer("gen"):  # with --async_rollout: the wait for a batch generated during the previous update
-            ro, staleness = rollouts.get(step)
+            ro, lag = rollouts.get(step)
 
         # 2. rewards (each response against its dataset row, ro.rows) and group-relative advantages (B,)
         with timer("reward"):
@@ -236,7 +236,7 @@ def main():
                                                  prompts.sources),
                    "reward/frac_zero_std": t["flat_groups"] / t["groups"], "kl": t["kl"] / tokens,
                    **{f"actor/{k}": t[k] / tokens for k in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy")},
-                   **actor.metrics(grad_norms), "rollout/staleness": staleness, **algos.step_metrics(t),
+                   **actor.metrics(grad_norms), **lag, **algos.step_metrics(t),
                    **reward.metrics(), **sampled, **curriculum, **timer.seconds, **sync_metrics,
                    **entropy_metrics}
         if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,

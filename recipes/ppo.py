@@ -128,7 +128,7 @@ def main():
         timer, t_step = Timer(), time.time()
         # 1. rollout
         with timer("gen"):  # with --async_rollout: the wait for a batch generated during the previous update
-            ro, staleness = rollouts.get(step)
+            ro, lag = rollouts.get(step)
         mask, B = ro.response_mask, ro.response_mask.shape[0]
 
         # 2. rewards: sequence scores (B,), each response against its dataset row (ro.rows)
@@ -208,7 +208,7 @@ def main():
                    "critic/grad_norm": sum(grad_norms["critic"]) / len(grad_norms["critic"]),
                    **rollout.rollout_metrics(ro, scored, timer.seconds["timing_s/step"], rollouts.environments,
                                            prompts.sources),
-                   "rollout/staleness": staleness, **algos.step_metrics(t), **reward.metrics(), **curriculum,
+                   **lag, **algos.step_metrics(t), **reward.metrics(), **curriculum,
                    **timer.seconds, **sync_metrics}
         if log.end_step(step + 1, metrics, cfg.train.logging_steps, cfg.train.eval_steps,
                         evaluate if held_out.ids else None):  # a logging step: a few samples beside the metrics

@@ -41,6 +41,10 @@ CASES = [
     # rollouts (RolloutConfig, VLLMConfig) and the policy ratio (RatioConfig), across roles
     ("grpo.py", ["--async_rollout"], "--async_rollout needs --rollout vllm or vllm-server"),
     ("grpo.py", ["--rollout", "vllm", "--max_staleness", "-1"], "--max_staleness: must be >= 0, got -1"),
+    ("grpo.py", ["--rollout", "vllm-server", "--partial_rollout"], "--partial_rollout continues the generation in "
+     "flight across a weight sync: it needs --async_rollout"),
+    ("ppo.py", ["--rollout", "vllm", "--async_rollout", "--partial_rollout"], "--partial_rollout needs --rollout "
+     "vllm-server: a vLLM engine in each training process generates a batch in one blocking call"),
     ("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", "http://a:1,http://b:1", "--vllm_num_servers", "2"],
      "--vllm_num_servers 2 starts servers; --vllm_server_url names running ones: pass one of them"),
     ("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", "http://a:1,http://a:1/"], "a URL named twice"),

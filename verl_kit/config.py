@@ -401,7 +401,7 @@ class RolloutConfig(Config):
     CHOICES: ClassVar[dict] = {"rollout": tuple(ROLLOUT_BACKENDS),  # the one list of backend names
                                "curriculum": ("none", "difficulty")}
     RESUME: ClassVar[dict] = dict.fromkeys(("rollout_timeout_s", "num_generations_eval", "pass_threshold",
-                                            "max_failed_steps"), "free")
+                                            "max_failed_steps", "partial_rollout"), "free")
 
     rollout: str = field(default="hf", metadata={
         "help": "; ".join(f"{b.name}: {b.help}" for b in ROLLOUT_BACKENDS.values())})
@@ -416,6 +416,10 @@ class RolloutConfig(Config):
                 "verl_kit.rollout.rollouts): the batch of step t comes from the policy of step t - max_staleness"})
     max_staleness: int = field(default=1, metadata={
         "help": "--async_rollout: steps the rollouts run ahead of the trainer (1: one-step-off; 0: no overlap)"})
+    partial_rollout: bool = field(default=False, metadata={
+        "help": "--async_rollout on vLLM servers: a weight sync does not wait for the generation in flight; the "
+                "servers pause keeping their requests, load the new weights and continue them, each token recording "
+                "the policy version that sampled it (rollout/version_lag_*)"})
     rollout_timeout_s: float = field(default=1800, metadata={
         "help": "--async_rollout: seconds to wait for a batch's generation before the run fails"})
     num_generations_eval: int = field(default=1, metadata={
@@ -451,6 +455,12 @@ class RolloutConfig(Config):
             apart = " or ".join(n for n, b in ROLLOUT_BACKENDS.items() if not b.shares_trainer_process)
             raise UserError(f"--async_rollout needs --rollout {apart} ({self.backend.help} shares the trainer's "
                             "process and cores)")
+        if self.partial_rollout and not self.async_rollout:
+            raise UserError("--partial_rollout continues the generation in flight across a weight sync: it needs "
+                            "--async_rollout")
+        if self.partial_rollout and self.rollout != "vllm-server":
+            raise UserError(f"--partial_rollout needs --rollout vllm-server: {self.backend.help} generates a batch in "
+                            "one blocking call that cannot be paused mid-request")
         world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch (and so by make cluster-run)
         if self.prompts_per_step % world:
             raise UserError(f"--prompts_per_step {self.prompts_per_step} must be a multiple of the {world} processes")

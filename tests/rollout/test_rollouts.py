@@ -56,9 +56,11 @@ def train(rollouts, start, steps):
     rollouts.load_weights(None, version=start)
     seen = []
     for step in range(start, steps):
-        ro, staleness = rollouts.get(step)
+        ro, lag = rollouts.get(step)
         assert ro.prompt_index == [step]  # the batch carries the prompts it was generated for
-        seen.append((int(ro.response_ids[0, 0]), staleness))
+        # an engine that reports no versions: every token is the batch's (the sync waited for the generation)
+        assert lag["rollout/version_lag_max"] == lag["rollout/version_lag_mean"] == lag["rollout/staleness"]
+        seen.append((int(ro.response_ids[0, 0]), lag["rollout/staleness"]))
         rollouts.load_weights(None, version=step + 1)
     return seen
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -250,6 +252,47 @@ def test_server_sync_matches_trained_policy(client, tokenizer, tiny_model_path):
     assert rows(client.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))) == after
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_server_update_in_flight_continues_requests_under_new_weights(client, tokenizer, tiny_model_path):
+    """--partial_rollout's sync: a long greedy response is paused mid-generation, the trained weights are loaded, and
+    it continues (not aborted: all its tokens, finish "length"). The versions vLLM reports are those the engine held:
+    the tokens before the update are the base model's greedy ones, those after are exactly the trained model's
+    greedy continuation of that prefix (recomputed under the new weights: no KV of the old policy is reused), which
+    differs from the base model's; the probe holds after the update."""
+    from verl_kit.rollout import SamplingParams
+
+    prompt, n = encode(tokenizer, PROBE_TEXTS)[:1], 400
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+    client.generate(prompt, greedy)  # the server's first long request is slower (warm-up)
+    t0 = time.time()
+    base = client.generate(prompt, greedy)
+    seconds = time.time() - t0
+    assert base.versions[0].tolist() == [0] * n  # the fixture synced the base model as version 0
+    model = load_hf(tiny_model_path)
+    train_step(model, tokenizer)
+    for attempt, fraction in enumerate((0.4, 0.2, 0.6)):  # the update must land while the request runs
+        with ThreadPoolExecutor(1) as pool:
+            generating = pool.submit(client.generate, prompt, greedy)
+            time.sleep(fraction * seconds)
+            metrics = client.load_weights(model, version=2 * attempt + 1, in_flight=True)
+            ro = generating.result(120)
+        versions = ro.versions[0].tolist()
+        k = versions.count(2 * attempt)  # tokens sampled before the update (the weights of the last sync)
+        if 0 < k < n:
+            break
+        client.load_weights(load_hf(tiny_model_path), version=2 * attempt + 2)
+    assert 0 < k < n, f"the update never landed mid-request: {versions[:3]}...{versions[-3:]}"
+    assert metrics["rollout/logprob_max_abs_diff"] < 1e-3
+    assert versions == [2 * attempt] * k + [2 * attempt + 1] * (n - k)
+    ids = rows(ro)[0]
+    assert len(ids) == n and bool(ro.truncated[0])  # every token: the request was kept, not aborted
+    assert ids[:k] == rows(base)[0][:k]
+    after = client.generate([prompt[0] + ids[:k]], replace(greedy, max_new_tokens=n - k))
+    assert rows(after)[0] == ids[k:] and set(after.versions[0].tolist()) == {2 * attempt + 1}
+    assert ids[k:] != rows(base)[0][k:]  # the two policies continue differently: the versions are not a guess
+
+
 def test_unreachable_server_is_a_user_error(tokenizer):
     from verl_kit.errors import UserError
     from verl_kit.rollout import VLLMServer
@@ -264,23 +307,29 @@ def test_unreachable_server_is_a_user_error(tokenizer):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_grpo_runs_against_the_shared_server(vllm_server, tmp_path):
-    """`--vllm_server_url`: the run syncs into a server it did not start, given the server's key in VLLM_API_KEY.
-    The shared server was started as a user starts one, `make vllm-serve` (tests/conftest.py: on main 64ad734 that
-    command ended in "module '__main__' has no attribute 'RequireKey'"); a run without the URL starts its own through
-    the same ServerProcess: test_server_started_by_a_run_dies_with_it."""
+    """`--vllm_server_url`: the run syncs into a server it did not start, given the server's key in VLLM_API_KEY,
+    here with partial rollouts (--async_rollout --partial_rollout: each sync pauses the server keeping its requests);
+    the probe holds after every sync and the batch's tokens are at most one sync behind. The shared server was started
+    as a user starts one, `make vllm-serve` (tests/conftest.py: on main 64ad734 that command ended in "module
+    '__main__' has no attribute 'RequireKey'"); a run without the URL starts its own through the same ServerProcess:
+    test_server_started_by_a_run_dies_with_it."""
     from helpers import metrics, recipe_cmd, run
 
     out = tmp_path / "run"
     run(recipe_cmd("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", vllm_server.url,
                                "--vllm_server_ca_file", vllm_server.ca_file, "--output_dir",
-                               str(out), "--max_steps", "2", "--prompts_per_step", "8", "--logging_steps", "1",
-                               "--dataset_test_split", "none"]),
+                               str(out), "--max_steps", "3", "--prompts_per_step", "8", "--logging_steps", "1",
+                               "--dataset_test_split", "none", "--async_rollout", "--partial_rollout",
+                               "--max_completion_length", "48"]),
         timeout=300,
         VLLM_HOST_IP="127.0.0.1", VLLM_API_KEY=vllm_server.api_key)
     rows_ = [r for r in metrics(out) if "reward/mean" in r]
-    assert [r["step"] for r in rows_] == [1, 2]
+    assert [r["step"] for r in rows_] == [1, 2, 3]
     for r in rows_:
         assert r["rollout/logprob_max_abs_diff"] < 1e-3 and r["sync/bytes"] > 0
+    assert [r["rollout/staleness"] for r in rows_] == [0, 1, 1]
+    assert rows_[0]["rollout/version_lag_max"] == 0
+    assert all(0 < r["rollout/version_lag_mean"] <= r["rollout/version_lag_max"] <= 1 for r in rows_[1:]), rows_
     assert (out / "final" / "model.safetensors").is_file()
 
 
@@ -396,5 +445,5 @@ def test_owned_server_needs_an_api_key_beyond_loopback_and_fails_fast_when_kille
                      VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS=1)
     assert out["rpc_without_key"] == 401 and out["v1_without_key"] == 401 and out["env_key"] == 401, out
     assert out["metrics"]["rollout/logprob_max_abs_diff"] < 1e-3, out
-    assert f"vLLM server {out['url']}/v1/completions unreachable after 4 attempts" in out["killed"], out
+    assert f"vLLM server {out['url']}/inference/v1/generate unreachable after 4 attempts" in out["killed"], out
     assert out["kill_s"] < 30, out

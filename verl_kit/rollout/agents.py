@@ -251,8 +251,9 @@ class AgentEpisodes:
                 job.reply(EndpointError(500, "the rollout engine failed; the run stops"))
             raise
         self._seed += len(todo)
-        for (job, prompt, sample, _, messages, forced), (ids, logprobs, ended) in zip(todo, turns):
-            job.reply(self._record(job.episode, job.body, prompt, sample, ids, logprobs, ended, messages, forced))
+        for (job, prompt, sample, _, messages, forced), (ids, logprobs, ended, versions) in zip(todo, turns):
+            job.reply(self._record(job.episode, job.body, prompt, sample, ids, logprobs, ended, messages, forced,
+                                   versions))
 
     def _forced(self, body: dict) -> str:
         """The start of a tool call a request's tool_choice asks for ("required": a call; a named function: a call of
@@ -343,7 +344,8 @@ class AgentEpisodes:
         return out
 
     def _record(self, ep: _Episode, body: dict, prompt: list[int], sample: Sample | None, ids: list[int],
-                logprobs: list[float], ended: bool, messages: list[dict], forced: str = "") -> dict:
+                logprobs: list[float], ended: bool, messages: list[dict], forced: str = "",
+                versions: list[int] | None = None) -> dict:
         """Keep a served call as training data and return its chat.completion (tool calls parsed unless tool_choice
         is "none"; the first alone with parallel_tool_calls false)."""
         if sample is None:
@@ -351,7 +353,7 @@ class AgentEpisodes:
             ep.samples.append(sample)
         else:
             sample.add(prompt[len(sample.prompt) + len(sample.ids):], None)
-        sample.add(ids, logprobs)
+        sample.add(ids, logprobs, versions)
         sample.truncated = not ended
         ep.truncated |= not ended
         ep.calls += 1

@@ -264,8 +264,8 @@ class Episodes:
             budget = [self.max_completion_length - len(e.ids) for e in active]
             seed = None if params.seed is None else params.seed + turn * len(eps)
             turns = generate_turn(self.engine, [e.prompt + e.ids for e in active], budget, params, seed)
-            for e, (ids, logprobs, ended) in zip(active, turns):
-                e.add(ids, logprobs)
+            for e, (ids, logprobs, ended, versions) in zip(active, turns):
+                e.add(ids, logprobs, versions)
                 e.turns += 1
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 e.messages.append({"role": "assistant", "content": text})

@@ -11,6 +11,14 @@ stale, `rollout/staleness` = step - version of the weights that sampled it. `--m
 K = 0 runs every generation through the same thread but only when its step asks for it (no overlap, the numbers of
 the synchronous recipe). The off-policy samples are corrected with importance weights (verl_kit.algos.off_policy).
 
+Partial rollouts (`--partial_rollout`, with --async_rollout on vLLM servers): the sync after update t does not wait
+for the generation in flight. The engine is paused keeping its requests (vLLM's pause, mode "keep"), loads version
+t+1, drops the KV of the old policy (the prefix cache and the running requests', which are recomputed), and resumes:
+each response continues under the new weights, and vLLM reports which weights sampled each token
+(Rollout.versions; the importance weights correct token by token from the engine's own sampling log-probs).
+`rollout/version_lag_max` and `_mean` say how far behind the trained policy the batch's tokens were sampled; their
+oldest is still at most max_staleness syncs behind, as a batch is asked for max_staleness steps ahead.
+
 Everything that uses the engine (generation, held-out evaluation) runs on the one rollout thread, in the order it was
 asked for, so the engine sees the same sequence of requests in every run; the weight sync and its probe run on the
 main thread with the engine idle. A generation that fails raises in the main thread; one that takes longer than
@@ -66,13 +74,16 @@ class Rollouts:
                  request: Callable[[int, int], tuple[list[int], SamplingParams]], total_steps: int,
                  max_staleness: int | None = None, timeout_s: float = 1800, servers: Sequence[ServerProcess] = (),
                  eval_params: SamplingParams | None = None, pass_threshold: float = 1.0, max_failed_steps: int = 0,
-                 curriculum: DifficultyCurriculum | None = None):
+                 curriculum: DifficultyCurriculum | None = None, partial: bool = False):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness {max_staleness}: use >= 0")
         self.runner = runner
         self.split, self.request, self.total_steps = split, request, total_steps
         self.servers, self.eval_params, self.pass_threshold = list(servers), eval_params, pass_threshold
         self.ahead, self.timeout_s = max_staleness, timeout_s
+        if partial and max_staleness is None:
+            raise ValueError("partial rollouts are generated ahead of the trainer: give max_staleness")
+        self.partial = partial
         self.max_failed_steps, self.failed_steps = max_failed_steps, 0
         self.unchecked: int | None = None  # the step whose own batch observe() has not seen yet
         self.curriculum = curriculum
@@ -121,15 +132,18 @@ class Rollouts:
         return ro.with_prompts(Prompts.each(idx, params.n), split.rows)
 
     # ---- the trainer's side -------------------------------------------------------------------------------------
-    def get(self, step: int) -> tuple[Rollout, int]:
-        """The batch of `step` and its staleness (step - the version that generated it). Hands the batches of the
-        next `max_staleness` steps to the rollout thread first, so they generate while this one trains."""
+    def get(self, step: int) -> tuple[Rollout, dict]:
+        """The batch of `step` and how far behind the trained policy it was sampled (collective): rollout/staleness
+        (step - the version of the weights when the batch was asked for) and, over its sampled tokens,
+        rollout/version_lag_max and _mean (step - the version that sampled each token: with --partial_rollout a
+        response continues under the weights of every sync it spans). Hands the batches of the next
+        `max_staleness` steps to the rollout thread first, so they generate while this one trains."""
         for s in range(step, step + (self.ahead or 0) + 1):
             self._submit(s)
         future, version = self.batches.pop(step)
-        ro = self._wait(future, f"the rollout of step {step}")
+        ro = with_versions(self._wait(future, f"the rollout of step {step}"), version)
         self.unchecked = step
-        return ro, step - version
+        return ro, {"rollout/staleness": step - version, **version_lag(ro, step)}
 
     def _stop_if_failing(self, ro: Rollout, scored: Scores, step: int) -> None:
         """Count the steps in a row with nothing to learn from on every process (collective): every episode failed,
@@ -155,7 +169,8 @@ class Rollouts:
         """The k-th further batch of `step` (k >= 1; --dynamic_sampling), generated now with the engine's weights
         (those of the step's own batch when synchronous), in turn with the queued batches."""
         idx, params = self.request(step, k)
-        return self._wait(self._call(self._generate, self.split, idx, params), f"batch {k} of step {step}")
+        ro = self._wait(self._call(self._generate, self.split, idx, params), f"batch {k} of step {step}")
+        return with_versions(ro, self.version)
 
     def observe(self, ro: Rollout, scored: Scores) -> dict:
         """A scored batch of the train split (collective: every process, once per batch, the step's own and each
@@ -187,10 +202,15 @@ class Rollouts:
                         extra, self.environments)
 
     def load_weights(self, actor, version: int) -> dict:
-        """Weight sync (collective), once the engine has finished every batch handed to it."""
-        for step, (future, _) in sorted(self.batches.items()):
-            self._wait(future, f"the rollout of step {step}")
-        metrics = self.runner.engine.load_weights(actor, version=version)
+        """Weight sync (collective), once the engine has finished every batch handed to it; with partial rollouts
+        at once, the engine paused meanwhile keeping what it generates (the requests continue under the new
+        weights)."""
+        if self.partial:
+            metrics = self.runner.engine.load_weights(actor, version=version, in_flight=True)
+        else:
+            for step, (future, _) in sorted(self.batches.items()):
+                self._wait(future, f"the rollout of step {step}")
+            metrics = self.runner.engine.load_weights(actor, version=version)
         self.version = version
         return metrics
 
@@ -204,7 +224,8 @@ class Rollouts:
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The batches generated but not yet trained on (call after load_weights: none is in flight then)."""
+        """The batches generated but not yet trained on (call after load_weights: with partial rollouts, waits for
+        those in flight to finish, so a resume continues from complete batches, their tokens' versions kept)."""
         out = {}
         for step, (future, version) in self.batches.items():
             ro = self._wait(future, f"the rollout of step {step}")
@@ -224,6 +245,23 @@ class Rollouts:
             future: Future = Future()
             future.set_result(ro)
             self.batches[int(step)] = (future, b["version"])
+
+
+def with_versions(ro: Rollout, version: int) -> Rollout:
+    """`ro` with Rollout.versions: as the engine reported them, else `version` (the weights the engine held
+    throughout: without partial rollouts a sync waits for the generation) on every sampled token."""
+    if ro.versions is not None:
+        return ro
+    return replace(ro, versions=torch.where(ro.response_mask, version, -1))
+
+
+def version_lag(ro: Rollout, step: int) -> dict:
+    """rollout/version_lag_max and rollout/version_lag_mean: how many syncs behind the policy trained at `step` its
+    batch's sampled tokens were sampled, the oldest and the mean over every process's tokens (collective)."""
+    lag = step - ro.versions[ro.response_mask].double()
+    t = reduce_metrics({"sum": float(lag.sum()), "n": float(lag.numel())},
+                       {"max": float(lag.max()) if lag.numel() else 0.0})
+    return {"rollout/version_lag_max": t["max"], "rollout/version_lag_mean": t["sum"] / max(t["n"], 1.0)}
 
 
 def dynamic_sampling(rollouts: Rollouts, step: int, first: Rollout, scored: Scores, score,
@@ -312,4 +350,4 @@ def make_rollouts(accelerator, actor, tokenizer, split: Prompts, *, rollout: Rol
     return Rollouts(runner, split, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
                     cfg.rollout_timeout_s, servers=servers, pass_threshold=cfg.pass_threshold,
                     eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)),
-                    max_failed_steps=cfg.max_failed_steps, curriculum=curriculum)
+                    max_failed_steps=cfg.max_failed_steps, curriculum=curriculum, partial=cfg.partial_rollout)

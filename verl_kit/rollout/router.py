@@ -193,6 +193,12 @@ class VLLMServers(SyncedBackend):
     def shutdown_weight_transfer_engine(self, seconds: float) -> None:
         self._each("shutdown_weight_transfer_engine", seconds)
 
+    def pause_generation(self, seconds: float) -> None:
+        self._each("pause_generation", seconds)
+
+    def resume_generation(self, seconds: float) -> None:
+        self._each("resume_generation", seconds)
+
     def engines_fed(self) -> int:
         return len(self.alive)
 
@@ -206,10 +212,10 @@ class VLLMServers(SyncedBackend):
             if agreed[f"failed{i}"] and i in self.alive:
                 self._drop(i, "failed on another process")
 
-    def load_weights(self, actor, version: int = 0) -> dict:
-        """One gather of the weights, every bucket to each live server, then each server's probe; the homes are
-        forgotten (every server's prefix cache was reset). Collective."""
-        metrics = super().load_weights(actor, version)
+    def load_weights(self, actor, version: int = 0, in_flight: bool = False) -> dict:
+        """One gather of the weights, every bucket to each live server (each paused meanwhile when `in_flight`),
+        then each server's probe; the homes are forgotten (every server's prefix cache was reset). Collective."""
+        metrics = super().load_weights(actor, version, in_flight)
         differ = self._differing_servers()
         self._agree()  # the servers dropped here or elsewhere, during generation or this sync: probed nowhere
         if reduce_metrics({}, {"differ": float(bool(differ))})["differ"]:

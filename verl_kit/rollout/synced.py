@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from verl_kit.errors import UserError
 from verl_kit.launch import processes
 from verl_kit.rollout.probe import Probe
 from verl_kit.rollout.transport import SLOT_NAME, SharedBuckets, StreamedBuckets, slot_dir
@@ -33,14 +34,31 @@ def orphan_guard() -> processes.OrphanGuard:
     return processes.orphan_guard(files=(slot_dir(), SLOT_NAME.pattern))
 
 
-def to_rollout(prompts_n: list[list[int]], completions: list[tuple[list[int], list[float], bool]], pad: int) -> Rollout:
-    """(token ids, sampled-token log-probs, truncated) per response -> Rollout. The engine stops at (and keeps) the
-    EOS, so every returned token is a sampled response token."""
-    for ids, lps, _ in completions:
+def to_rollout(prompts_n: list[list[int]], completions: list[tuple[list[int], list[float], bool, list | None]],
+               pad: int) -> Rollout:
+    """(token ids, sampled-token log-probs, truncated, vLLM's weight_versions spans or None) per response -> Rollout.
+    The engine stops at (and keeps) the EOS, so every returned token is a sampled response token."""
+    for ids, lps, _, _ in completions:
         if len(ids) != len(lps):
             raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} log-probs")
-    return rollout_of_samples([Sample(p, ids, [True] * len(ids), lps, truncated)
-                               for p, (ids, lps, truncated) in zip(prompts_n, completions)], pad)
+    return rollout_of_samples([Sample(p, ids, [True] * len(ids), lps, truncated, token_versions(spans, len(ids)))
+                               for p, (ids, lps, truncated, spans) in zip(prompts_n, completions)], pad)
+
+
+def token_versions(spans: list | None, n: int) -> list[int] | None:
+    """vLLM's `weight_versions` of a response (spans of output tokens `[start, end)` sampled by the weights labelled
+    `version`; the kit labels each sync with its optimizer step) -> each token's version; None when the engine gave
+    none or a label that is not the kit's (an engine not synced by it, an adapter-only sync)."""
+    if not spans:
+        return None
+    out = [-1] * n
+    for span in spans:
+        v, start, end = (span["version"], span["start"], span["end"]) if isinstance(span, dict) else \
+            (span.version, span.start, span.end)
+        if not str(v).isdigit():
+            return None
+        out[start:end] = [int(v)] * (end - start)
+    return out
 
 
 class SyncedBackend:
@@ -82,6 +100,14 @@ class SyncedBackend:
         """shutdown_weight_transfer_engine: the engine drops what this trainer left mapped."""
         raise NotImplementedError
 
+    def pause_generation(self, seconds: float) -> None:
+        """vLLM's pause with mode "keep" (--partial_rollout): the engine stops between two steps, keeping its running
+        requests, which continue after resume_generation under the weights loaded meanwhile."""
+        raise UserError("--partial_rollout: this engine cannot pause its requests mid-generation")
+
+    def resume_generation(self, seconds: float) -> None:
+        raise NotImplementedError
+
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         raise NotImplementedError
 
@@ -117,10 +143,25 @@ class SyncedBackend:
         """Whether the engine's workers run on this host (and read buckets from its /dev/shm)."""
         return True
 
-    def load_weights(self, actor, version: int = 0) -> dict:
+    def load_weights(self, actor, version: int = 0, in_flight: bool = False) -> dict:
         """Weight sync + probe. Collective: every training process calls it at the same point, after each update.
         Returns sync/* metrics (`version`: the optimizer step that produced these weights, the policy version the
-        next rollouts come from) and the probe's rollout/* metrics; raises RuntimeError when the probe fails."""
+        next rollouts come from) and the probe's rollout/* metrics; raises RuntimeError when the probe fails.
+        `in_flight` (--partial_rollout): requests may be generating; the engine is paused keeping them, updated (the
+        KV of the running requests is dropped with the prefix cache: they are recomputed under the new weights, as a
+        preempted request is), then resumed; their tokens from here on are sampled by `version`."""
+        pause = in_flight and self.pushes
+        if pause:
+            self.pause_generation(self.sync_timeout_s)
+        try:
+            metrics = self._sync(actor, version)
+        finally:
+            if pause:
+                self.resume_generation(self.sync_timeout_s)
+        return self._probed(actor, metrics)
+
+    def _sync(self, actor, version: int) -> dict:
+        """The weights into the engine (sync/* metrics), no probe."""
         slots = self.pushes and self.same_host and self.transport == "auto" and os.path.isdir("/dev/shm")
         if slots and self._shared is None:
             self._shared = SharedBuckets()
@@ -130,7 +171,7 @@ class SyncedBackend:
         metrics = sync_weights(actor, self if self.pushes else None, self.bucket_mb, self.sync_timeout_s,
                                self._shared if slots else None, self._stream, self.sharding, version)
         metrics["sync/bytes"] *= self.engines_fed()
-        return self._probed(actor, metrics)
+        return metrics
 
     def engines_fed(self) -> int:
         """Engines that received this sync (sync/bytes counts the bytes of each)."""

@@ -106,6 +106,9 @@ class Rollout:
     sampling_logprobs  (B, R) float32             log-prob of each token under the sampling distribution
                                                   (temperature, top-k, top-p applied), 0 outside the mask
     truncated          (B,) bool                  no EOS within max_new_tokens
+    versions           (B, R) long                the policy version (weight sync) that sampled each token, -1
+                                                  outside the sampled tokens (vLLM reports it per token; a batch of
+                                                  a backend that does not is given its one version by Rollouts)
     per episode, set by rollout.Rollouts (the batch carries what it was generated for):
     prompt_index       list of B ints             each row's prompt, as an index into the split it was asked from
     rows               list of B dicts            each row's dataset row (`prompt` and the columns rewards read)
@@ -132,6 +135,7 @@ class Rollout:
     response_mask: torch.Tensor = _field(TOKEN, False, optional=False)
     sampling_logprobs: torch.Tensor = _field(TOKEN, 0.0, optional=False)
     truncated: torch.Tensor = _field(ROW, optional=False)
+    versions: torch.Tensor | None = _field(TOKEN, -1)
     prompt_index: list[int] | None = _field(EPISODE)
     rows: list[dict] | None = _field(EPISODE)
     env_mask: torch.Tensor | None = _field(TOKEN, False)
@@ -251,12 +255,17 @@ class Sample:
     sampled: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     truncated: bool = False
+    versions: list[int] | None = field(default_factory=list)  # per token (-1: inserted); None: a backend without
 
-    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
-        """Append tokens: sampled ones with their log-probs, or (logprobs None) the environment's."""
+    def add(self, ids: list[int], logprobs: list[float] | None, versions: list[int] | None = None) -> None:
+        """Append tokens: sampled ones with their log-probs and the policy versions that sampled them (None: the
+        backend does not report them), or (logprobs None) the environment's."""
         self.ids += ids
         self.sampled += [logprobs is not None] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        if logprobs is None:
+            versions = [-1] * len(ids)
+        self.versions = None if versions is None or self.versions is None else self.versions + versions
 
 
 def episode_info(turns: int, tool_calls: int, messages, tool_failures: int = 0, environment: str | None = None,
@@ -282,12 +291,16 @@ def rollout_of_samples(samples: list[Sample], pad_id: int, env_reward: list[floa
     ids = torch.full((B, R), pad_id, dtype=torch.long)
     sampled = torch.zeros((B, R), dtype=torch.bool)
     logprobs = torch.zeros((B, R), dtype=torch.float32)
+    versions = torch.full((B, R), -1, dtype=torch.long) if all(s.versions is not None for s in samples) else None
     for i, s in enumerate(samples):
         n = len(s.ids)
         ids[i, :n] = torch.tensor(s.ids, dtype=torch.long)
         sampled[i, :n] = torch.tensor(s.sampled, dtype=torch.bool)
         logprobs[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-    ro = Rollout([s.prompt for s in samples], ids, sampled, logprobs, torch.tensor([s.truncated for s in samples]))
+        if versions is not None:
+            versions[i, :n] = torch.tensor(s.versions, dtype=torch.long)
+    ro = Rollout([s.prompt for s in samples], ids, sampled, logprobs, torch.tensor([s.truncated for s in samples]),
+                 versions)
     if infos is None:
         return ro
     inserted = torch.zeros((B, R), dtype=torch.bool)
@@ -299,16 +312,18 @@ def rollout_of_samples(samples: list[Sample], pad_id: int, env_reward: list[floa
 
 
 def generate_turn(engine: RolloutBackend, prompts: list[list[int]], budgets: list[int], params: SamplingParams,
-                  seed: int | None) -> list[tuple[list[int], list[float], bool]]:
-    """One turn of several episodes in one generate call: (sampled ids, their log-probs, ended) for each prompt, cut
-    to its token budget; `ended`: the turn ended in EOS within its budget."""
+                  seed: int | None) -> list[tuple[list[int], list[float], bool, list[int] | None]]:
+    """One turn of several episodes in one generate call: (sampled ids, their log-probs, ended, the policy versions
+    that sampled them or None) for each prompt, cut to its token budget; `ended`: the turn ended in EOS within its
+    budget."""
     ro = engine.generate(prompts, replace(params, n=1, max_new_tokens=max(budgets), seed=seed, ignore_eos=False,
                                           stop=None))
     out = []
     for j, budget in enumerate(budgets):
         m = ro.response_mask[j]
         ids, logprobs = ro.response_ids[j][m].tolist(), ro.sampling_logprobs[j][m].tolist()
-        out.append((ids[:budget], logprobs[:budget], not bool(ro.truncated[j]) and len(ids) <= budget))
+        versions = None if ro.versions is None else ro.versions[j][m].tolist()[:budget]
+        out.append((ids[:budget], logprobs[:budget], not bool(ro.truncated[j]) and len(ids) <= budget, versions))
     return out
 
 

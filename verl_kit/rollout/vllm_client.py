@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import torch
@@ -125,7 +126,18 @@ class VLLMServer(SyncedBackend):
 
     def finish_weight_update(self, version: int, seconds: float) -> None:
         self._request("POST", "/finish_weight_update", {"weight_version": str(version)}, seconds, retries=0)
-        self._request("POST", "/reset_prefix_cache", None, seconds)
+        # The prefix cache holds KV of the old policy; running requests (--partial_rollout) hold some too, and a reset
+        # that leaves them in place does nothing at all (vLLM answers success false): they are preempted and
+        # recomputed under the new weights.
+        if not self._request("POST", "/reset_prefix_cache?reset_running_requests=true", None, seconds)["success"]:
+            raise RuntimeError(f"vLLM server {self.url}: its prefix cache reset failed after the weight update: KV "
+                               "of the old policy would be reused")
+
+    def pause_generation(self, seconds: float) -> None:
+        self._request("POST", "/pause?mode=keep", None, seconds)
+
+    def resume_generation(self, seconds: float) -> None:
+        self._request("POST", "/resume", None, seconds)
 
     def shutdown_weight_transfer_engine(self, seconds: float) -> None:
         self._request("POST", "/shutdown_weight_transfer_engine", None, seconds, retries=0)
@@ -140,17 +152,26 @@ class VLLMServer(SyncedBackend):
         return sorted(out["choices"], key=lambda c: c["index"])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
-        body = dict(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                    max_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos, logprobs=0,
-                    return_token_ids=True, skip_special_tokens=False)
+        """vLLM's token-in-token-out route (/inference/v1/generate, one request per prompt with its n samples, sent
+        together): the sampled tokens, their log-probs and the weight version that sampled each token."""
+        sampling = dict(n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                        max_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos, logprobs=0,
+                        skip_special_tokens=False)
         for key in ("seed", "stop"):
             if getattr(params, key, None) is not None:
-                body[key] = getattr(params, key)
-        choices = self._completions(prompts, body)
-        completions = [(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "length")
-                       for c in choices]
-        prompts_n = Prompts.each(prompts, params.n)
-        return to_rollout(prompts_n, completions, self.tokenizer.pad_token_id)
+                sampling[key] = getattr(params, key)
+
+        def one(prompt: list[int]) -> list[dict]:
+            out = self._request("POST", "/inference/v1/generate", {"model": self.model, "token_ids": prompt,
+                                                                   "sampling_params": sampling},
+                                self.request_timeout_s)
+            return sorted(out["choices"], key=lambda c: c["index"])
+
+        with ThreadPoolExecutor(min(len(prompts), 64) or 1) as pool:
+            choices = [c for cs in pool.map(one, prompts) for c in cs]
+        completions = [(c["token_ids"], [t["logprob"] for t in c["logprobs"]["content"] or []],
+                        c["finish_reason"] == "length", c.get("weight_versions")) for c in choices]
+        return to_rollout(Prompts.each(prompts, params.n), completions, self.tokenizer.pad_token_id)
 
     def close(self) -> None:
         """Ask the server to unmap this run's slots, whose memory would otherwise stay held in /dev/shm until the

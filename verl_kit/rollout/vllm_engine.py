@@ -171,7 +171,8 @@ class VLLMColocated(SyncedBackend):
     def finish_weight_update(self, version: int, seconds: float) -> None:
         self.llm.collective_rpc("finish_weight_update", timeout=seconds)
         self.llm.update_weight_version(str(version))
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():  # nothing runs here between two generate calls: it cannot fail
+            raise RuntimeError("the vLLM engine's prefix cache reset failed after the weight update")
 
     def shutdown_weight_transfer_engine(self, seconds: float) -> None:
         self.llm.collective_rpc("shutdown_weight_transfer_engine", timeout=seconds)
@@ -198,7 +199,7 @@ class VLLMColocated(SyncedBackend):
             outs = self._run(prompts_n, [vllm_sampling(replace(params, n=1, seed=params.sample_seed(i)))
                                          for i in range(len(prompts_n))])
         completions = [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                        c.finish_reason == "length") for o in outs for c in o.outputs]
+                        c.finish_reason == "length", c.weight_versions) for o in outs for c in o.outputs]
         return to_rollout(prompts_n, completions, self.tokenizer.pad_token_id)
 
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:

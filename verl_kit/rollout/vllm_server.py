@@ -211,7 +211,7 @@ def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype:
             *(["--max-model-len", str(max_model_len)] if max_model_len else []),
             *(["--ssl-certfile", ssl_certfile, "--ssl-keyfile", ssl_keyfile] if ssl_certfile else []),
             "--worker-extension-cls", WORKER_EXTENSION, "--weight-transfer-config", json.dumps(WEIGHT_TRANSFER_CONFIG),
-            "--middleware", MIDDLEWARE,
+            "--middleware", MIDDLEWARE, "--enable-scale-out",  # vLLM's token-in-token-out /inference/v1/generate
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
             # CPU: no chunked prefill, as for the colocated engine (rollout.vllm_engine.VLLMColocated): a seeded request
             # whose prompt is prefilled in pieces kills a CPU engine.
