@@ -270,19 +270,27 @@ class GatedEngine:
     """A scripted engine standing in for a vLLM server (generation is not under test): each response is two tokens,
     its prompt's id and 0, whose versions (Rollout.versions, as vLLM reports them) are the weights the engine held
     when the request began and when it ended. The request of prompt i ends once the test lets it (`finish(i)`), so
-    the test decides the order groups complete in. A sync must come in flight (it does not wait for the requests)."""
+    the test decides the order groups complete in, and `begun(i, ...)` waits until requests have begun (a thread of
+    the rollouts' pool runs each: it may begin after the next sync). A sync must come in flight (it does not wait
+    for the requests)."""
 
     per_sample_seeds = False
 
     def __init__(self):
-        self.version, self.finished = 0, collections.defaultdict(threading.Event)
+        self.version, self.finished, self.started = 0, collections.defaultdict(threading.Event), set()
 
     def finish(self, *prompts):
         for p in prompts:
             self.finished[p].set()
 
+    def begun(self, *prompts):
+        deadline = time.time() + 30
+        while not self.started >= set(prompts) and time.time() < deadline:
+            time.sleep(0.01)
+
     def generate(self, prompts, params):
         start = self.version
+        self.started.add(prompts[0][0])
         assert self.finished[prompts[0][0]].wait(30)
         B = len(prompts)
         return Rollout(prompts, torch.tensor([[p[0], 0] for p in prompts]), torch.ones(B, 2, dtype=torch.bool),
@@ -326,6 +334,7 @@ def test_a_slow_group_enters_a_later_step_and_spans_the_syncs():
     engine.finish(0, 1)
     ro, lag = rollouts.get(0)
     assert taken(ro) == [0, 1] and lag["rollout/version_lag_max"] == 0
+    engine.begun(2, 3, 4, 5)
     rollouts.load_weights(None, version=1)
     engine.finish(4, 3)
     ro, lag = rollouts.get(1)
@@ -348,24 +357,28 @@ def test_a_group_older_than_max_staleness_is_dropped_and_the_checkpoint_keeps_th
     rollouts = in_flight(engine, ahead=1)
     engine.finish(0, 1)
     assert taken(rollouts.get(0)[0]) == [0, 1]
+    engine.begun(2, 3)
     rollouts.load_weights(None, version=1)
     engine.finish(3, 4)
     assert taken(rollouts.get(1)[0]) == [3, 4]
+    engine.begun(5)
     rollouts.load_weights(None, version=2)
     engine.finish(2, 5, 6)
     settle(rollouts, 2, 5)
     ro, lag = rollouts.get(2)
     assert taken(ro) == [5, 6] and lag["rollout/groups_dropped_stale"] == 1 and lag["rollout/version_lag_max"] <= 1
+    engine.begun(7)
     rollouts.load_weights(None, version=3)
     engine.finish(7)
     state = rollouts.state_dict()
     assert [g["prompt_ids"][0][0] for g in state["groups"]] == [7] and state["asked"] == 3
     rollouts.close()
     engine = GatedEngine()
-    engine.finish(*range(24))
+    engine.finish(8)  # not 9: the step takes the saved group and the first of step 4's
     resumed = in_flight(engine, ahead=1)
     resumed.load_state_dict(state)
     resumed.load_weights(None, version=3)
     ro, lag = resumed.get(3)
     assert taken(ro) == [7, 8] and ro.versions[0].tolist() == [2, 3]  # prompt 7 as saved, then step 4's first
+    engine.finish(*range(24))
     resumed.close()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -250,47 +248,6 @@ def test_server_sync_matches_trained_policy(client, tokenizer, tiny_model_path):
     assert metrics["rollout/logprob_max_abs_diff"] < 1e-3
     assert metrics["sync/buckets"] > 3
     assert rows(client.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))) == after
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_server_update_in_flight_continues_requests_under_new_weights(client, tokenizer, tiny_model_path):
-    """--partial_rollout's sync: a long greedy response is paused mid-generation, the trained weights are loaded, and
-    it continues (not aborted: all its tokens, finish "length"). The versions vLLM reports are those the engine held:
-    the tokens before the update are the base model's greedy ones, those after are exactly the trained model's
-    greedy continuation of that prefix (recomputed under the new weights: no KV of the old policy is reused), which
-    differs from the base model's; the probe holds after the update."""
-    from verl_kit.rollout import SamplingParams
-
-    prompt, n = encode(tokenizer, PROBE_TEXTS)[:1], 400
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
-    client.generate(prompt, greedy)  # the server's first long request is slower (warm-up)
-    t0 = time.time()
-    base = client.generate(prompt, greedy)
-    seconds = time.time() - t0
-    assert base.versions[0].tolist() == [0] * n  # the fixture synced the base model as version 0
-    model = load_hf(tiny_model_path)
-    train_step(model, tokenizer)
-    for attempt, fraction in enumerate((0.4, 0.2, 0.6)):  # the update must land while the request runs
-        with ThreadPoolExecutor(1) as pool:
-            generating = pool.submit(client.generate, prompt, greedy)
-            time.sleep(fraction * seconds)
-            metrics = client.load_weights(model, version=2 * attempt + 1, in_flight=True)
-            ro = generating.result(120)
-        versions = ro.versions[0].tolist()
-        k = versions.count(2 * attempt)  # tokens sampled before the update (the weights of the last sync)
-        if 0 < k < n:
-            break
-        client.load_weights(load_hf(tiny_model_path), version=2 * attempt + 2)
-    assert 0 < k < n, f"the update never landed mid-request: {versions[:3]}...{versions[-3:]}"
-    assert metrics["rollout/logprob_max_abs_diff"] < 1e-3
-    assert versions == [2 * attempt] * k + [2 * attempt + 1] * (n - k)
-    ids = rows(ro)[0]
-    assert len(ids) == n and bool(ro.truncated[0])  # every token: the request was kept, not aborted
-    assert ids[:k] == rows(base)[0][:k]
-    after = client.generate([prompt[0] + ids[:k]], replace(greedy, max_new_tokens=n - k))
-    assert rows(after)[0] == ids[k:] and set(after.versions[0].tolist()) == {2 * attempt + 1}
-    assert ids[k:] != rows(base)[0][k:]  # the two policies continue differently: the versions are not a guess
 
 
 def test_unreachable_server_is_a_user_error(tokenizer):
