@@ -25,7 +25,6 @@ student never sees; the student learns to do without it what it does with it.
 Copy this file and edit it; `verl_kit` holds only mechanism.
 """
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -86,12 +85,6 @@ ARGS = {"distill": DistillConfig, "teacher": config.TeacherConfig, "train": conf
         "ratio": config.RatioConfig, "entropy": config.EntropyConfig}
 
 
-def for_teacher(ro, ids: list[list[int]] | None):
-    """The rollout as the teacher reads it: the same responses after its own prompts (`ids`: the teacher prompts of
-    the split `ro` was drawn from, data.teacher_prompts; None: the student's prompts)."""
-    return ro if ids is None else dataclasses.replace(ro, prompt_ids=[ids[i] for i in ro.prompt_index])
-
-
 def teacher_view(disagreement: torch.Tensor, response_ids: torch.Tensor, n: int, tokenizer) -> dict:
     """A sampled response's mean log p - log q over its n tokens, and its three most disputed tokens with theirs."""
     worst = disagreement[:n].topk(min(3, n)).indices.tolist() if n else []
@@ -113,11 +106,10 @@ def main():
     total_steps = cfg.train.total_steps(len(prompts.ids), cfg.rollout.prompts_per_step)
     attn = cfg.train.attn_implementation
     # where the rows have a privileged_context (self-distillation needs one), the teacher reads it with the prompt
-    sees = None
-    if teach.teacher_model_kind or any(data.PRIVILEGED in r for r in prompts.rows):
-        limit = cfg.train.max_length - cfg.rollout.max_completion_length
-        sees = [data.teacher_prompts(split, tokenizer, teach.teacher_prompt_template, limit, source)
-                for split, source in ((prompts, cfg.train.train_source), (held_out, cfg.train.test_source))]
+    sees = (data.TeacherPrompts(tokenizer, teach.teacher_prompt_template,
+                                cfg.train.max_length - cfg.rollout.max_completion_length,
+                                (prompts, cfg.train.train_source), (held_out, cfg.train.test_source))
+            if teach.teacher_model_kind or any(data.PRIVILEGED in r for r in prompts.rows) else None)
     # before any weight: each term of a step in GiB against the memory the run may use; refuses what cannot fit
     memory = train.plan_memory(accelerator, cfg.train, model_path, prompts.ids,
                                frozen=teach.frozen_copies(model_path, cfg.train.use_peft),
@@ -154,7 +146,7 @@ def main():
         log p - log q of the student's sampled tokens, total over total tokens (eval/teacher_kl)."""
         def kl_sum(ro):  # (B,) sum over each response's tokens; every process calls it alike (ZeRO-3)
             chunks = train.micro_batches(cfg.train, list(range(len(ro.costs))), ro.costs)
-            theirs = for_teacher(ro, sees and sees[1])
+            theirs = sees.view(ro, 1) if sees else ro
             diff = packed.logprobs(actor.model, ro, chunks, device) - packed.logprobs(teacher, theirs, chunks, device)
             return (diff * ro.response_mask).sum(-1)
         score = reward.of_rollout if reward else lambda ro: rollout.Scores(torch.zeros(len(ro.prompt_ids)))
@@ -177,7 +169,7 @@ def main():
         mask, B = ro.response_mask, ro.response_mask.shape[0]
         lengths = mask.sum(-1)
         costs = ro.costs  # tokens of each row's forward pass
-        theirs = for_teacher(ro, sees and sees[0])  # what the teacher reads: its prompts, the same responses
+        theirs = sees.view(ro) if sees else ro  # what the teacher reads: its prompts, the same responses
 
         # 2. the task reward (logged; with --task_reward_coef centred per prompt and added to each token's advantage)
         with timer("reward"):

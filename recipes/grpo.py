@@ -37,7 +37,7 @@ class GRPOConfig(config.Config):
     """GRPO's own knobs; the rest of its flags are the online roles (config.ONLINE)."""
 
     CHOICES: ClassVar[dict] = {"loss_type": tuple(algos.POLICY_LOSSES),
-                               "advantage_estimator": ("grpo", "rloo", "reinforce_plus_plus_baseline"),
+                               "advantage_estimator": algos.OUTCOME_ESTIMATORS,
                                "importance_sampling_level": ("token", "sequence")}
 
     num_generations: int = field(default=4, metadata={"help": "responses sampled per prompt (the group), >= 2"})
@@ -168,14 +168,9 @@ def main():
         # one score per episode (E,), advantages back on its rows (B,): a row each, unless an --agent's calls did not
         # extend each other (per-call samples, docs/agents.md): its rows then share the episode's advantage
         scores = ro.per_episode(scored.total)
-        with timer("reward"):
-            if grpo.advantage_estimator == "rloo":
-                advantages = ro.per_row(algos.rloo_advantages(scores, grpo.num_generations))
-            elif grpo.advantage_estimator == "reinforce_plus_plus_baseline":  # whitened over all ranks' tokens
-                advantages = algos.reinforce_plus_plus_baseline_advantages(scores, grpo.num_generations, mask,
-                                                                           train.reduce_metrics, ro.row_episode())
-            else:
-                advantages = ro.per_row(algos.group_advantages(scores, grpo.num_generations, grpo.scale_rewards))
+        with timer("reward"):  # --advantage_estimator's (REINFORCE++-baseline whitens over all ranks' tokens)
+            advantages = algos.outcome_advantages(grpo.advantage_estimator, scores, grpo.num_generations, mask,
+                                                  ro.row_episode(), grpo.scale_rewards, train.reduce_metrics)
 
         # 3. reference log-probs (for the KL term) and, with several updates per rollout, the old log-probs
         lengths = mask.sum(-1)

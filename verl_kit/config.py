@@ -471,9 +471,6 @@ class RolloutConfig(Config):
 
     def check_with(self, cfg: Args) -> None:
         flags = cfg.flags()
-        if self.partial_rollout and flags.get("agent"):
-            raise UserError("--partial_rollout runs each prompt's episodes on their own; --agent plays a batch's "
-                            "episodes together through its endpoint: use one of them")
         if self.partial_rollout and flags.get("dynamic_sampling"):
             raise UserError("--dynamic_sampling generates a step's further batches when the step asks for them; with "
                             "--partial_rollout groups stream into the steps as they finish: use one of them")

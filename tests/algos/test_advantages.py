@@ -14,6 +14,7 @@ from verl_kit.algos import (
     group_advantages,
     kl_estimate,
     masked_moments,
+    outcome_advantages,
     reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
     token_rewards,
@@ -192,3 +193,24 @@ def test_reinforce_plus_plus_baseline_by_hand_and_split_invariant():
     shards = [reinforce_plus_plus_baseline_advantages(scores[i:i + 2], 2, mask[i:i + 2], lambda m: total)
               for i in (0, 2)]
     torch.testing.assert_close(torch.cat(shards), want)
+
+
+def test_outcome_advantages_put_each_estimators_values_on_every_row():
+    """--advantage_estimator through one call (recipes/grpo.py): scores of 4 episodes in groups of 2, [1, 0, 3, 1];
+    5 rows, episode 1 in two (an agent's per-call samples): rows [e0, e1, e1, e2, e3]. grpo unscaled: centred
+    [0.5, -0.5, 1, -1] -> rows [0.5, -0.5, -0.5, 1, -1]; scaled by the groups' std (0.70711, 1.41421, + 1e-4);
+    rloo: [1, -1, 2, -2] -> [1, -1, -1, 2, -2]; reinforce_plus_plus_baseline whitens the centred values over the rows'
+    tokens (lengths 1 each here: over [0.5, -0.5, -0.5, 1, -1], mean -0.1, population std 0.73485)."""
+    scores, episode = torch.tensor([1.0, 0.0, 3.0, 1.0]), torch.tensor([0, 1, 1, 2, 3])
+    mask = torch.ones(5, 1, dtype=torch.bool)
+    torch.testing.assert_close(outcome_advantages("grpo", scores, 2, mask, episode, scale=False),
+                               torch.tensor([0.5, -0.5, -0.5, 1.0, -1.0]))
+    a, b = 0.5 / (0.5 ** 0.5 + 1e-4), 1.0 / (2 ** 0.5 + 1e-4)
+    torch.testing.assert_close(outcome_advantages("grpo", scores, 2, mask, episode), torch.tensor([a, -a, -a, b, -b]))
+    torch.testing.assert_close(outcome_advantages("rloo", scores, 2, mask, episode),
+                               torch.tensor([1.0, -1.0, -1.0, 2.0, -2.0]))
+    c = torch.tensor([0.5, -0.5, -0.5, 1.0, -1.0])
+    torch.testing.assert_close(outcome_advantages("reinforce_plus_plus_baseline", scores, 2, mask, episode),
+                               (c + 0.1) / c.var(unbiased=False).sqrt())
+    with pytest.raises(ValueError, match="'ppo'"):
+        outcome_advantages("ppo", scores, 2, mask, episode)

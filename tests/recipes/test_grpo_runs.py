@@ -105,10 +105,12 @@ def test_grpo_fsdp2_tied_equals_peer(tmp_path, tiny_tied_path, peer, lora):
     ZeRO-3 with a full model (the reference a frozen model sharded like the actor, the tied embedding one sharded
     parameter, the rollout copy synced from the gathered shards; FSDP2 from TRL's own fsdp2.yaml: actor and
     reference loaded on rank 0 only and broadcast into the shards), and DDP with an adapter under the kit's
-    fsdp2.yaml (base frozen, the merged weight computed on the DTensor shards). Rewards, KL, loss and gradient
-    norms agree at both steps, so step 2 sampled from the synced step-1 weights."""
+    fsdp2.yaml (base frozen, the merged weight computed on the DTensor shards; REINFORCE++-baseline advantages, whose
+    whitening sums its moments over both ranks). Rewards, KL, loss and gradient norms agree at both steps, so step 2
+    sampled from the synced step-1 weights."""
     extra = ["--model_name_or_path", tiny_tied_path, *(["--use_peft", "--lora_r", "8", "--lora_alpha", "16",
-                                                        "--lora_dropout", "0"] if lora else [])]
+                                                        "--lora_dropout", "0", "--advantage_estimator",
+                                                        "reinforce_plus_plus_baseline"] if lora else [])]
     run(_grpo_launch("fsdp2.yaml" if lora else trl_fsdp2_config(tmp_path), tmp_path / "f2", *extra), timeout=300)
     run(_grpo_launch(peer, tmp_path / "peer", *extra), timeout=300)
     f2, peer_rows = numbers(tmp_path / "f2"), numbers(tmp_path / "peer")

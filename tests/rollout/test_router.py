@@ -44,22 +44,27 @@ def second_server(tiny_model_path):
 @pytest.mark.vllm
 def test_grpo_routes_over_two_servers(vllm_server, second_server, tmp_path):
     """`--rollout vllm-server --vllm_server_url a,b` (two running servers, one key): the run syncs and probes both
-    every step (fp32 bound) and spreads its groups over them. (`--vllm_num_servers N` starts its own through the same
-    start_servers path whose keys test_server_key checks; the two servers here are reused, not started again.)"""
+    every step (fp32 bound) and spreads its groups over them; here with in-flight updates (--async_rollout
+    --partial_rollout: each sync pauses both servers keeping their requests, each group is routed on its own), so
+    the batches carry tokens one sync old. (`--vllm_num_servers N` starts its own through the same start_servers path
+    whose keys test_server_key checks; the two servers here are reused, not started again.)"""
     from helpers import metrics, recipe_cmd, run
 
     out = tmp_path / "run"
     urls = f"{vllm_server.url},{second_server.url}"
     run(recipe_cmd("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", urls, "--vllm_server_ca_file",
                                vllm_server.ca_file, "--output_dir", str(out),
-                               "--max_steps", "2", "--prompts_per_step", "8", "--logging_steps", "1",
-                               "--dataset_test_split", "none"]),
+                               "--max_steps", "3", "--prompts_per_step", "8", "--logging_steps", "1",
+                               "--dataset_test_split", "none", "--async_rollout", "--partial_rollout",
+                               "--max_completion_length", "48"]),
         timeout=600, VLLM_HOST_IP="127.0.0.1", VLLM_API_KEY=vllm_server.api_key)
     rows = [r for r in metrics(out) if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["sync/servers"] == 2 and r["rollout/logprob_max_abs_diff"] < 1e-3, r
         assert 0.5 <= r["rollout/server_share_max"] < 1, r  # both servers served prompts
+    assert rows[0]["rollout/version_lag_max"] == 0
+    assert all(0 < r["rollout/version_lag_mean"] <= r["rollout/version_lag_max"] <= 1 for r in rows[1:]), rows
     assert (out / "final" / "model.safetensors").is_file()
 
 

@@ -250,6 +250,58 @@ def test_server_sync_matches_trained_policy(client, tokenizer, tiny_model_path):
     assert rows(client.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))) == after
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_sync_in_flight_continues_each_request_under_the_new_weights(client, tokenizer, tiny_model_path):
+    """--partial_rollout's sync on a real server: 16 long greedy requests are generating when the trained weights are
+    loaded (pause keeping them, update, cache reset with the running requests, resume). None is aborted (each runs to
+    its length); each response's tokens carry version 0 up to some k and version 1 after, with 0 < k < its length;
+    the tokens labelled 0 are the base policy's greedy response and the tokens labelled 1 are the trained policy's
+    greedy continuation of the prompt and those k tokens (a fresh request after the sync): the labels say which
+    weights sampled each token. The requests are queued while the server is paused, so that all 16 start together
+    at the resume the update follows (k = 10-19 of 488 measured on an idle machine). On a loaded machine an HTTP call
+    can take as long as the whole generation (~2 s): an attempt whose update came after every request had ended is
+    tried again (3 at most), from the base weights."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verl_kit.rollout import SamplingParams
+
+    prompts = encode(tokenizer, [f"{t} number {i}" for i in range(4) for t in PROBE_TEXTS])
+    length = 512 - max(map(len, prompts)) - 8  # the shared server's max_model_len is 512
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=length, ignore_eos=True)
+    base_model = load_hf(tiny_model_path)
+    base = rows(client.generate(prompts[:2], greedy))
+    model = load_hf(tiny_model_path)
+    train_step(model, tokenizer)
+    for attempt in range(3):
+        if attempt:
+            client.load_weights(base_model, version=0)
+        client.pause_generation(60)
+        with ThreadPoolExecutor(1) as pool:
+            generating = pool.submit(client.generate, prompts, greedy)
+            time.sleep(3)  # every request sent and queued
+            client.resume_generation(60)
+            metrics = client.load_weights(model, version=1, in_flight=True)
+            ro = generating.result(timeout=300)
+        if (ro.versions == 1).any():
+            break
+    assert metrics["rollout/logprob_max_abs_diff"] < 1e-3
+    assert all(len(r) == length for r in rows(ro))  # not aborted: every request ran to its length
+    splits = []
+    for v, m in zip(ro.versions, ro.response_mask):
+        labels = v[m].tolist()
+        k = labels.count(0)
+        assert labels == [0] * k + [1] * (length - k), labels
+        splits.append(k)
+    assert all(0 < k < length for k in splits), splits
+    for r, b, k in zip(rows(ro), base, splits):
+        assert r[:k] == b[:k]  # the base policy sampled the tokens labelled 0
+    rest = rows(client.generate([p + r[:k] for p, r, k in zip(prompts[:2], rows(ro), splits)],
+                                SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)))
+    for r, k, c in zip(rows(ro), splits, rest):
+        assert r[k:k + 16] == c  # the trained policy sampled the tokens labelled 1
+
+
 def test_unreachable_server_is_a_user_error(tokenizer):
     from verl_kit.errors import UserError
     from verl_kit.rollout import VLLMServer
@@ -261,32 +313,45 @@ def test_unreachable_server_is_a_user_error(tokenizer):
     assert time.time() - t0 < 10
 
 
+ONE_CALL_AGENT = """
+async def agent(client, row):  # one chat call; the run's --reward_fn scores the reply
+    await client.chat.completions.create(model="policy", messages=row["prompt"])
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_grpo_runs_against_the_shared_server(vllm_server, tmp_path):
     """`--vllm_server_url`: the run syncs into a server it did not start, given the server's key in VLLM_API_KEY,
-    here with partial rollouts (--async_rollout --partial_rollout: each sync pauses the server keeping its requests);
-    the probe holds after every sync and the batch's tokens are at most one sync behind. The shared server was started
+    here with partial rollouts (--async_rollout --partial_rollout: each sync pauses the server keeping its requests)
+    and an agent (--agent: each group's episodes are played by a call of its own, its requests served by that call);
+    the probe holds after every sync and the batches' tokens are at most one sync behind. The shared server was started
     as a user starts one, `make vllm-serve` (tests/conftest.py: on main 64ad734 that command ended in "module
     '__main__' has no attribute 'RequireKey'"); a run without the URL starts its own through the same ServerProcess:
     test_server_started_by_a_run_dies_with_it."""
     from helpers import metrics, recipe_cmd, run
 
+    agent = tmp_path / "agent.py"
+    agent.write_text(ONE_CALL_AGENT)
     out = tmp_path / "run"
     run(recipe_cmd("grpo.py", ["--rollout", "vllm-server", "--vllm_server_url", vllm_server.url,
                                "--vllm_server_ca_file", vllm_server.ca_file, "--output_dir",
                                str(out), "--max_steps", "3", "--prompts_per_step", "8", "--logging_steps", "1",
                                "--dataset_test_split", "none", "--async_rollout", "--partial_rollout",
-                               "--max_completion_length", "48"]),
+                               "--max_completion_length", "48", "--agent", f"{agent}:agent"]),
         timeout=300,
         VLLM_HOST_IP="127.0.0.1", VLLM_API_KEY=vllm_server.api_key)
     rows_ = [r for r in metrics(out) if "reward/mean" in r]
     assert [r["step"] for r in rows_] == [1, 2, 3]
     for r in rows_:
         assert r["rollout/logprob_max_abs_diff"] < 1e-3 and r["sync/bytes"] > 0
+        assert r["episode/samples"] == 1 and r["episode/env_errors"] == 0, r  # every episode's one call trained
     assert [r["rollout/staleness"] for r in rows_] == [0, 1, 1]
-    assert rows_[0]["rollout/version_lag_max"] == 0
-    assert all(0 < r["rollout/version_lag_mean"] <= r["rollout/version_lag_max"] <= 1 for r in rows_[1:]), rows_
+    # every token at most --max_staleness (1) versions old; some batch held tokens of the version before (which
+    # batch depends on when the agents' calls reach the server: measured (0, 0), (1, 1), (0, 0) in one run)
+    lags = [(r["rollout/version_lag_mean"], r["rollout/version_lag_max"]) for r in rows_]
+    assert lags[0] == (0, 0) and all(0 <= mean <= most <= 1 for mean, most in lags), lags
+    assert any(mean > 0 for mean, _ in lags[1:]), lags
     assert (out / "final" / "model.safetensors").is_file()
 
 

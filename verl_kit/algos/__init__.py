@@ -4,6 +4,7 @@ importance weights, pass@k, the groups dynamic sampling keeps, on-policy distill
 generalized JSD), entropy controls."""
 
 from verl_kit.algos.advantages import (
+    OUTCOME_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     gae,
@@ -11,6 +12,7 @@ from verl_kit.algos.advantages import (
     kl_estimate,
     masked_moments,
     masked_variance,
+    outcome_advantages,
     reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
     token_rewards,

@@ -103,6 +103,24 @@ def reinforce_plus_plus_baseline_advantages(scores: torch.Tensor, group_size: in
     return whiten(centred, torch.ones_like(centred, dtype=torch.bool), moments)
 
 
+OUTCOME_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # verl's names (--advantage_estimator)
+
+
+def outcome_advantages(estimator: str, scores: torch.Tensor, group_size: int, mask: torch.Tensor,
+                       episode: torch.Tensor, scale: bool = True, reduce=lambda moments: moments) -> torch.Tensor:
+    """The advantage of every response row under `estimator` (OUTCOME_ESTIMATORS): scores (E,), one per episode,
+    groups of `group_size` consecutive episodes; `episode` (B,) long: each row's episode (an agent's per-call samples
+    share theirs); mask (B, R) -> (B,). `scale`: grpo's division by the group's std; `reduce`: sums moments over
+    processes (REINFORCE++-baseline whitens over every process's tokens)."""
+    if estimator == "reinforce_plus_plus_baseline":
+        return reinforce_plus_plus_baseline_advantages(scores, group_size, mask, reduce, episode)
+    if estimator == "rloo":
+        return rloo_advantages(scores, group_size)[episode]
+    if estimator == "grpo":
+        return group_advantages(scores, group_size, scale)[episode]
+    raise ValueError(f"advantage estimator {estimator!r}: one of {OUTCOME_ESTIMATORS}")
+
+
 def masked_moments(x: torch.Tensor, mask: torch.Tensor, prefix: str = "") -> dict[str, float]:
     """{prefix + "count", "sum", "sum_sq"}: count, sum and sum of squares of x over mask (float64). Sum these over
     ranks (distributed.reduce_metrics) before whiten() so that whitening does not depend on how the batch is split."""

@@ -25,7 +25,15 @@ from verl_kit.data.packing import (
     pack_rows,
     split_by_tokens,
 )
-from verl_kit.data.prompts import PRIVILEGED, Prompts, load_prompt_splits, load_prompts, teacher_prompt, teacher_prompts
+from verl_kit.data.prompts import (
+    PRIVILEGED,
+    Prompts,
+    TeacherPrompts,
+    load_prompt_splits,
+    load_prompts,
+    teacher_prompt,
+    teacher_prompts,
+)
 from verl_kit.data.sft import TINY_SFT, SFTExample, sft_examples, sft_format, truncate, write_sft_data
 from verl_kit.data.tasks import (
     ARITH,

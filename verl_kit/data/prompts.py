@@ -3,6 +3,7 @@ the generation prompt), kept beside the row, for the train and held-out splits."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -86,3 +87,17 @@ def teacher_prompts(prompts: Prompts, tokenizer, template: str, max_prompt_lengt
                             "shows it to the teacher (a reference solution, feedback)")
         rows.append({"prompt": teacher_prompt(row.get("prompt"), context, template)})
     return load_prompts(rows, tokenizer, max_prompt_length, source)
+
+
+class TeacherPrompts:
+    """What a distillation teacher reads of a rollout: the same responses after its own prompts, each row's
+    teacher_prompt showing its privileged_context. `splits`: (prompts, source) pairs, the train split first, then the
+    held-out one; the teacher prompts are rendered once, here (truncated to `max_prompt_length`)."""
+
+    def __init__(self, tokenizer, template: str, max_prompt_length: int, *splits: tuple[Prompts, str]):
+        self.ids = [teacher_prompts(p, tokenizer, template, max_prompt_length, source) for p, source in splits]
+
+    def view(self, ro, split: int = 0):
+        """`ro` (a rollout.Rollout drawn from splits[split]) with the teacher's prompts in place of the student's."""
+        ids = self.ids[split]
+        return dataclasses.replace(ro, prompt_ids=[ids[i] for i in ro.prompt_index])

@@ -80,6 +80,7 @@ class _Episode:
     done: bool = False
     reward: float = 0.0
     failure: str | None = None
+    jobs: queue.Queue | None = None  # its generate call's: the endpoint's requests, the episode's start and end
 
 
 def _text(content) -> str:
@@ -127,23 +128,23 @@ class AgentEpisodes:
         self.chat = ChatRenderer(tokenizer, model_name)
         # turns are spliced onto the previous ids only where the template appends (else each call re-renders)
         self.appends = self.chat.appends(with_tools=True)
-        self._queue: queue.Queue = queue.Queue()
-        self.endpoint = Endpoint(self._queue, os.path.basename(model_name.rstrip("/")) or "policy", timeout_s + 60)
+        self.endpoint = Endpoint(os.path.basename(model_name.rstrip("/")) or "policy", timeout_s + 60)
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="verl_kit-agents", daemon=True).start()
+        self._limit = asyncio.Semaphore(max_concurrency)  # episodes running at once, over every generate call
         self._warned = False
-        self._seed = 0
 
     # ---- one generation: the agents run, the endpoint's requests are served here ------------------------------
     def generate(self, split: Prompts, idx: list[int], params: SamplingParams, source: str = "dataset") -> Rollout:
         """params.n episodes of each dataset row `split.rows[i]`, i in `idx`, in that
-        order: one row per episode, or several where its calls did not extend each other (Rollout.episode)."""
+        order: one row per episode, or several where its calls did not extend each other (Rollout.episode).
+        Re-entrant: calls from several threads (--partial_rollout's groups) each serve their own episodes' requests."""
         index = Prompts.each(idx, params.n)
-        eps = [_Episode(copy.deepcopy(split.rows[i]), i + 1, list(split.ids[i])) for i in index]
-        self._seed = 0 if params.seed is None else params.seed
+        jobs: queue.Queue = queue.Queue()
+        eps = [_Episode(copy.deepcopy(split.rows[i]), i + 1, list(split.ids[i]), jobs=jobs) for i in index]
         running = asyncio.run_coroutine_threadsafe(self._run_all(eps), self._loop)
         try:
-            self._serve(eps, params)
+            self._serve(eps, jobs, params)
         except BaseException:
             running.cancel()  # the run stops: its agents with it
             raise
@@ -153,17 +154,19 @@ class AgentEpisodes:
                            self.name, len(eps), eps[0].failure)
         return self.to_rollout(eps)
 
-    def _serve(self, eps: list[_Episode], params: SamplingParams) -> None:
-        """Answer the endpoint's requests until every episode has ended, batching those that wait together."""
+    def _serve(self, eps: list[_Episode], inbox: queue.Queue, params: SamplingParams) -> None:
+        """Answer the endpoint's requests of `eps` (from `inbox`) until every episode has ended, batching those that
+        wait together."""
         running = ended = 0
         jobs: list[Request] = []
+        seed = [params.seed]  # each generation's seed: params.seed, then + the samples generated before it
         last_progress = time.monotonic()
         while ended < len(eps):
             try:
-                kind, item = self._queue.get(timeout=GATHER_S if jobs else 1.0)
+                kind, item = inbox.get(timeout=GATHER_S if jobs else 1.0)
             except queue.Empty:
                 if jobs:
-                    self._answer(jobs, params)
+                    self._answer(jobs, params, seed)
                     jobs, last_progress = [], time.monotonic()
                 elif time.monotonic() - last_progress > self.timeout_s + 120:
                     raise RuntimeError(f"--agent {self.name}: no request and no episode ended for "
@@ -178,22 +181,21 @@ class AgentEpisodes:
             else:
                 jobs.append(item)
             if jobs and len(jobs) >= running:  # every running agent waits on the endpoint
-                self._answer(jobs, params)
+                self._answer(jobs, params, seed)
                 jobs = []
         for job in jobs:  # requests of episodes that ended meanwhile (a timed-out agent's thread)
             job.reply(EndpointError(410, "the episode has ended"))
 
     # ---- the agents (on the event-loop thread) ----------------------------------------------------------------
     async def _run_all(self, eps: list[_Episode]) -> None:
-        limit = asyncio.Semaphore(self.max_concurrency)
-        await asyncio.gather(*(self._run(ep, limit) for ep in eps))
+        await asyncio.gather(*(self._run(ep) for ep in eps))
 
-    async def _run(self, ep: _Episode, limit: asyncio.Semaphore) -> None:
+    async def _run(self, ep: _Episode) -> None:
         import openai
 
-        async with limit:
+        async with self._limit:
             key = self.endpoint.open(ep)
-            self._queue.put(("start", ep))
+            ep.jobs.put(("start", ep))
             asynchronous = inspect.iscoroutinefunction(self.agent)
             kw = dict(base_url=self.endpoint.url, api_key=key, max_retries=0, timeout=self.timeout_s)
             client = openai.AsyncOpenAI(**kw) if asynchronous else openai.OpenAI(**kw)
@@ -215,7 +217,7 @@ class AgentEpisodes:
             finally:
                 self.endpoint.close_key(key)
                 ep.done = True
-                self._queue.put(("end", ep))
+                ep.jobs.put(("end", ep))
                 await (client.close() if asynchronous else asyncio.to_thread(client.close))
 
     def _fail(self, ep: _Episode, why: str) -> None:
@@ -228,7 +230,7 @@ class AgentEpisodes:
                            ep.row_no)
 
     # ---- a batch of requests -------------------------------------------------------------------------------------
-    def _answer(self, jobs: list[Request], params: SamplingParams) -> None:
+    def _answer(self, jobs: list[Request], params: SamplingParams, seed: list) -> None:
         """Render each request, generate for those with room in one call, record and reply."""
         todo = []
         for job in jobs:
@@ -244,13 +246,13 @@ class AgentEpisodes:
         if not todo:
             return
         try:
-            turns = generate_turn(self.engine, [t[1] for t in todo], [t[3] for t in todo], params,
-                                  None if params.seed is None else self._seed)
+            turns = generate_turn(self.engine, [t[1] for t in todo], [t[3] for t in todo], params, seed[0])
         except BaseException:
             for job, *_ in todo:
                 job.reply(EndpointError(500, "the rollout engine failed; the run stops"))
             raise
-        self._seed += len(todo)
+        if seed[0] is not None:
+            seed[0] += len(todo)
         for (job, prompt, sample, _, messages, forced), (ids, logprobs, ended, versions) in zip(todo, turns):
             job.reply(self._record(job.episode, job.body, prompt, sample, ids, logprobs, ended, messages, forced,
                                    versions))

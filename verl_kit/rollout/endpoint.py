@@ -10,11 +10,11 @@ gets 401); the key also says which episode a request belongs to. Routes:
                                 (response.created ... response.completed events)
     GET  /v1/models
 
-Both generating routes become one chat request (`Request`) handed to the queue the rollout thread serves
-(AgentEpisodes._serve), which renders, generates, records and replies with a chat.completion; the Responses route
-translates its input into chat messages and that reply into a response. So every token the policy sampled is recorded
-once, whichever API and mode the agent used: streaming only formats the finished reply (the policy's batch generation
-is not incremental). HTTP handlers never touch the tokenizer, the engine or an episode's state.
+Both generating routes become one chat request (`Request`) handed to the queue of the generate call playing its
+episode (AgentEpisodes._serve), which renders, generates, records and replies with a chat.completion; the Responses
+route translates its input into chat messages and that reply into a response. So every token the policy sampled is
+recorded once, whichever API and mode the agent used: streaming only formats the finished reply (the policy's batch
+generation is not incremental). HTTP handlers never touch the tokenizer, the engine or an episode's state.
 
 Requests are checked against the fields these routes serve (pydantic models, `extra="forbid"`): a field or value
 they do not serve (n > 1, stop sequences, a JSON response format, non-function tools, include, ...) is a 400 in
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import secrets
 import socket
 import threading
@@ -397,13 +396,14 @@ def response_events(response: dict) -> list[dict]:
 
 class Endpoint:
     """The HTTP server (uvicorn, on a daemon thread of its own, started at construction); `url` is what an OpenAI
-    client takes as base_url. `jobs`: where requests go, as ("request", Request); `model_id`: what /v1/models lists
-    (any `model` is accepted: the policy answers every request)."""
+    client takes as base_url. A request goes to its episode's queue (`episode.jobs`: the generate call that plays the
+    episode serves it) as ("request", Request); `model_id`: what /v1/models lists (any `model` is accepted: the
+    policy answers every request)."""
 
-    def __init__(self, jobs: queue.Queue, model_id: str, reply_timeout_s: float = 3600.0):
+    def __init__(self, model_id: str, reply_timeout_s: float = 3600.0):
         import uvicorn
 
-        self.jobs, self.model_id, self.reply_timeout_s = jobs, model_id, reply_timeout_s
+        self.model_id, self.reply_timeout_s = model_id, reply_timeout_s
         self._keys: dict[str, object] = {}
         self._conversations: dict[str, dict[str, list[dict]]] = {}  # key -> response id -> its conversation
         self._lock = threading.Lock()
@@ -467,7 +467,7 @@ class Endpoint:
     async def _completion(self, episode, chat: dict) -> dict:
         """Hand the chat request to the rollout thread and wait for its chat.completion."""
         request = Request(episode, chat)
-        self.jobs.put(("request", request))
+        episode.jobs.put(("request", request))
         if not await request.wait_async(self.reply_timeout_s):
             raise EndpointError(504, "no reply in time: the run is stuck or stopping")
         if request.status != 200:

@@ -160,6 +160,7 @@ class VLLMServer(SyncedBackend):
         for key in ("seed", "stop"):
             if getattr(params, key, None) is not None:
                 sampling[key] = getattr(params, key)
+        sampling["detokenize"] = "stop" in sampling  # token ids in and out: decoded only to find stop strings
 
         def one(prompt: list[int]) -> list[dict]:
             out = self._request("POST", "/inference/v1/generate", {"model": self.model, "token_ids": prompt,
