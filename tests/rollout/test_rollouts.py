@@ -325,6 +325,21 @@ def taken(ro) -> list[int]:
     return ro.response_ids[:, 0].tolist()
 
 
+def test_the_first_step_trains_on_its_own_prompts():
+    """The run's first batch is asked alone: step 1's groups (prompts 2, 3), which would complete first, are asked
+    once it is taken, so step 0 waits for its slow prompt 1 rather than train on the fastest groups of two steps (a
+    bias towards short responses); from then on the next step's groups are in flight during each update."""
+    engine = GatedEngine()
+    rollouts = in_flight(engine, ahead=1)
+    engine.finish(0, 2, 3)
+    threading.Timer(0.3, engine.finish, (1,)).start()
+    assert taken(rollouts.get(0)[0]) == [0, 1] and rollouts.asked == 1
+    rollouts.load_weights(None, version=1)
+    assert taken(rollouts.get(1)[0]) == [2, 3]
+    engine.finish(*range(24))
+    rollouts.close()
+
+
 def test_a_slow_group_enters_a_later_step_and_spans_the_syncs():
     """max_staleness 2: step 1's slow group (prompt 2) does not hold step 1 back, which trains on the next groups to
     complete (prompts 3 and 4, of steps 1 and 2); it continues across two syncs and enters step 2, its tokens

@@ -297,7 +297,12 @@ class InFlightRollouts(Rollouts):
     def get(self, step: int) -> tuple[Rollout, dict]:
         """The first groups to complete (see the class docstring), as many as step `step` has prompts here, and how far
         behind they were sampled (collective: Rollouts.get's metrics, and rollout/groups_dropped_stale)."""
-        self._ask(min(step + self.ahead, self.total_steps - 1))
+        # The run's first batch (nothing asked before it) is its own prompts only: asked with the next steps' at the
+        # same moment, the first groups to complete would be the shortest of them all (a bias towards short
+        # responses, or episodes without a tool call, at step 1). The next steps are asked once it is taken.
+        first = self.asked < step and not self.pending
+        ahead = min(step + self.ahead, self.total_steps - 1)
+        self._ask(step if first else ahead)
         need, taken = len(self.request(step, 0)[0]), []
         deadline = time.time() + self.timeout_s
         while len(taken) < need:
@@ -317,6 +322,8 @@ class InFlightRollouts(Rollouts):
                     self.dropped += 1
                 else:
                     taken.append((group, ro))
+        if first:
+            self._ask(ahead)
         self.unchecked = step
         taken.sort(key=lambda t: t[0].order)  # in the order asked, whatever the order they completed in
         ro = concat_rollouts([r for _, r in taken])
