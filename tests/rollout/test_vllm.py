@@ -346,9 +346,10 @@ def test_grpo_runs_against_the_shared_server(vllm_server, tmp_path):
     for r in rows_:
         assert r["rollout/logprob_max_abs_diff"] < 1e-3 and r["sync/bytes"] > 0
         assert r["episode/samples"] == 1 and r["episode/env_errors"] == 0, r  # every episode's one call trained
-    assert [r["rollout/staleness"] for r in rows_] == [0, 1, 1]
     # every token at most --max_staleness (1) versions old; some batch held tokens of the version before (which
-    # batch depends on when the agents' calls reach the server: measured (0, 0), (1, 1), (0, 0) in one run)
+    # batch depends on when the agents' calls reach the server: measured (0, 0), (1, 1), (0, 0) in one run). The
+    # ask-time rollout/staleness is not bounded so: a group asked at version 0 whose agent called after sync 1 has
+    # tokens of version 1 and entered step 3 with staleness 2 in a CI run.
     lags = [(r["rollout/version_lag_mean"], r["rollout/version_lag_max"]) for r in rows_]
     assert lags[0] == (0, 0) and all(0 <= mean <= most <= 1 for mean, most in lags), lags
     assert any(mean > 0 for mean, _ in lags[1:]), lags
