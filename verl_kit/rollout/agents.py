@@ -159,14 +159,14 @@ class AgentEpisodes:
         wait together."""
         running = ended = 0
         jobs: list[Request] = []
-        seed = [params.seed]  # each generation's seed: params.seed, then + the samples generated before it
+        seed = params.seed  # each generation's: params.seed, then + the samples generated before it
         last_progress = time.monotonic()
         while ended < len(eps):
             try:
                 kind, item = inbox.get(timeout=GATHER_S if jobs else 1.0)
             except queue.Empty:
                 if jobs:
-                    self._answer(jobs, params, seed)
+                    seed = self._answer(jobs, params, seed)
                     jobs, last_progress = [], time.monotonic()
                 elif time.monotonic() - last_progress > self.timeout_s + 120:
                     raise RuntimeError(f"--agent {self.name}: no request and no episode ended for "
@@ -181,7 +181,7 @@ class AgentEpisodes:
             else:
                 jobs.append(item)
             if jobs and len(jobs) >= running:  # every running agent waits on the endpoint
-                self._answer(jobs, params, seed)
+                seed = self._answer(jobs, params, seed)
                 jobs = []
         for job in jobs:  # requests of episodes that ended meanwhile (a timed-out agent's thread)
             job.reply(EndpointError(410, "the episode has ended"))
@@ -230,8 +230,9 @@ class AgentEpisodes:
                            ep.row_no)
 
     # ---- a batch of requests -------------------------------------------------------------------------------------
-    def _answer(self, jobs: list[Request], params: SamplingParams, seed: list) -> None:
-        """Render each request, generate for those with room in one call, record and reply."""
+    def _answer(self, jobs: list[Request], params: SamplingParams, seed: int | None) -> int | None:
+        """Render each request, generate for those with room in one call (sample i seeded seed + i), record and
+        reply. Returns the next generation's seed."""
         todo = []
         for job in jobs:
             ep = job.episode
@@ -244,18 +245,17 @@ class AgentEpisodes:
                 job.reply(e)
         todo = [t for t in todo if self._reply_if_spent(*t)]
         if not todo:
-            return
+            return seed
         try:
-            turns = generate_turn(self.engine, [t[1] for t in todo], [t[3] for t in todo], params, seed[0])
+            turns = generate_turn(self.engine, [t[1] for t in todo], [t[3] for t in todo], params, seed)
         except BaseException:
             for job, *_ in todo:
                 job.reply(EndpointError(500, "the rollout engine failed; the run stops"))
             raise
-        if seed[0] is not None:
-            seed[0] += len(todo)
         for (job, prompt, sample, _, messages, forced), (ids, logprobs, ended, versions) in zip(todo, turns):
             job.reply(self._record(job.episode, job.body, prompt, sample, ids, logprobs, ended, messages, forced,
                                    versions))
+        return None if seed is None else seed + len(todo)
 
     def _forced(self, body: dict) -> str:
         """The start of a tool call a request's tool_choice asks for ("required": a call; a named function: a call of
