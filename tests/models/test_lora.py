@@ -19,7 +19,7 @@ from helpers import (
     run_until,
 )
 
-from verl_kit.config import TrainConfig, parse_args
+from verl_kit.config import RolloutConfig, TrainConfig, VLLMConfig, parse_args
 from verl_kit.errors import UserError
 from verl_kit.models import load_causal_lm, reference, with_lora
 from verl_kit.rollout.weight_sync import gathered_buckets
@@ -259,13 +259,15 @@ def test_lora_sigkill_then_resume_is_bit_identical(procs, tmp_path, tiny_tied_pa
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_grpo_lora_vllm_sync_on_tied_model(tiny_tied_path, tmp_path):
-    """GRPO with an adapter on a tied-embedding model, a high learning rate, a colocated engine that serves the
-    adapter (vLLM's LoRA over the base weights): every sync sends the adapter alone (its bytes: the adapter's
-    parameters, a fraction of the model's) and after it the engine's log-probs match the trainer's (adapter enabled)
-    within the fp32 bound while the trainer moves. (A server gets the merged weights: test_weight_sync.
-    final/merged is a plain HF directory that scores like peft's adapter on the base: assert_adapter_export.)"""
-    model, rollout = tiny_tied_path, "vllm"
+@pytest.mark.parametrize("rollout", ["vllm", "vllm-server"])
+def test_grpo_lora_vllm_sync_on_tied_model(tiny_tied_path, tmp_path, rollout):
+    """GRPO with an adapter on a tied-embedding model, a high learning rate, vLLM engines that serve the adapter
+    (vLLM's LoRA over the base weights), colocated or the run's own server (started with LoRA; the adapter loaded
+    through its /v1/load_lora_adapter): every sync sends the adapter alone (its bytes: the adapter's parameters, a
+    fraction of the model's) and after it the engine's log-probs match the trainer's (adapter enabled) within the
+    fp32 bound while the trainer moves. final/merged is a plain HF directory that scores like peft's adapter on the
+    base: assert_adapter_export."""
+    model = tiny_tied_path
     out = tmp_path / "run"
     t0 = time.time()
     run(recipe_cmd("grpo.py", [*LORA, "--model_name_or_path", model, "--rollout", rollout, "--vllm_lora_sync",
@@ -284,6 +286,35 @@ def test_grpo_lora_vllm_sync_on_tied_model(tiny_tied_path, tmp_path):
     assert all(r["sync/adapter_only"] == 1 and r["sync/bytes"] == adapter for r in rows), rows
     print(f"adapter-only sync: {adapter} bytes, {adapter / whole:.3f} of the model's {whole}")
     assert_adapter_export(out / "final")
+
+
+def test_which_lora_sync_a_run_takes(tiny_model_path):
+    """rollout.backends.served_adapter_rank: the adapter's rank where the engines serve it, else None (the merged sync)
+    with the reason in the run's one line: --vllm_lora_sync adapter on the colocated engine and on the run's own or a
+    named server on this host; merged for --partial_rollout (a request keeps the adapter it started with), for a
+    server on another host (it cannot read this host's files), for servers the run did not start under auto, under
+    auto on CPU, and for an adapter vLLM cannot serve; None without an adapter or a vLLM engine."""
+    from types import SimpleNamespace
+
+    from verl_kit.rollout.backends import served_adapter_rank
+
+    actor = lora_model(tiny_model_path, "--lora_r", "4")
+    main = SimpleNamespace(is_main_process=True)
+
+    def rank(model=actor, rollout="vllm-server", lora_sync="adapter", url=None, **flags):
+        return served_adapter_rank(RolloutConfig(rollout=rollout, **flags),
+                                   VLLMConfig(vllm_lora_sync=lora_sync, vllm_server_url=url), main, model)
+
+    assert rank() == rank(rollout="vllm") == rank(url="http://127.0.0.1:8000,http://localhost:8001") == 4
+    for merged in (dict(async_rollout=True, partial_rollout=True), dict(url="https://10.0.0.2:8000"),
+                   dict(lora_sync="merged"), dict(rollout="vllm", lora_sync="auto"),
+                   dict(model=lora_model(tiny_model_path, "--lora_target_modules", "q_proj,lm_head"))):
+        assert rank(**merged) is None, merged
+    if not torch.cuda.is_available():
+        assert rank(lora_sync="auto") is None  # the run's own server, auto, on CPU
+    assert rank(url="http://127.0.0.1:8000", lora_sync="auto") is None  # not the run's own: maybe without LoRA
+    assert rank(rollout="hf") is None
+    assert rank(model=load_causal_lm(tiny_model_path, "sdpa")) is None
 
 
 def test_which_adapters_vllm_serves(tiny_model_path):

@@ -52,7 +52,7 @@ from verl_kit.algos.sampling import group_rows, informative_groups, select_group
 from verl_kit.config import EnvironmentConfig, RolloutConfig, TrainConfig, VLLMConfig
 from verl_kit.errors import UserError
 from verl_kit.rollout.agents import make_agent_episodes
-from verl_kit.rollout.backends import make_backend, start_servers
+from verl_kit.rollout.backends import make_backend, served_adapter_rank, start_servers
 from verl_kit.rollout.curriculum import DifficultyCurriculum
 from verl_kit.rollout.episodes import SingleTurn, make_episodes
 from verl_kit.rollout.prompts import evaluate
@@ -422,9 +422,10 @@ def make_rollouts(accelerator, actor, tokenizer, split: Prompts, *, rollout: Rol
     (`Rollouts.eval_params`)."""
     cfg, vllm_cfg, env_cfg = rollout, vllm, env
     rank, world = accelerator.process_index, accelerator.num_processes
-    servers, urls = start_servers(cfg, vllm_cfg, accelerator, model_path, train.max_length, train.seed)
+    lora_rank = served_adapter_rank(cfg, vllm_cfg, accelerator, actor)
+    servers, urls = start_servers(cfg, vllm_cfg, accelerator, model_path, train.max_length, train.seed, lora_rank)
     backend = make_backend(cfg, vllm_cfg, accelerator, actor, model_path, tokenizer,
-                           split.ids[:vllm_cfg.vllm_probe_size], urls, train.max_length, train.seed)
+                           split.ids[:vllm_cfg.vllm_probe_size], urls, train.max_length, train.seed, lora_rank)
     sampling = sampling_params(cfg, num_generations)
     # the episodes: an --agent's, an environment's or tools' (multi-turn), else one generation per sample
     if env_cfg is not None and env_cfg.agent:

@@ -98,6 +98,7 @@ class VLLMServers(SyncedBackend):
         first = servers[0]
         self.sharding, self.bucket_mb, self.sync_timeout_s = first.sharding, first.bucket_mb, first.sync_timeout_s
         self.transport, self.probe = first.transport, None  # each server has its own probe (load_weights)
+        self.lora_rank = first.lora_rank
 
     @property
     def pushes(self) -> bool:
@@ -192,6 +193,9 @@ class VLLMServers(SyncedBackend):
 
     def shutdown_weight_transfer_engine(self, seconds: float) -> None:
         self._each("shutdown_weight_transfer_engine", seconds)
+
+    def load_adapter(self, name: str, path: str, version: int, seconds: float) -> None:
+        self._each("load_adapter", name, path, version, seconds)
 
     def pause_generation(self, seconds: float) -> None:
         self._each("pause_generation", seconds)

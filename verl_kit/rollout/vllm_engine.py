@@ -23,9 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import tempfile
-import time
 from dataclasses import replace
 from multiprocessing import resource_tracker
 
@@ -34,9 +31,15 @@ import torch
 from verl_kit.errors import UserError
 from verl_kit.launch import processes
 from verl_kit.rollout.probe import Probe, default_probe_threshold
-from verl_kit.rollout.synced import WEIGHT_TRANSFER_CONFIG, WORKER_EXTENSION, SyncedBackend, orphan_guard, to_rollout
+from verl_kit.rollout.synced import (
+    WEIGHT_TRANSFER_CONFIG,
+    WORKER_EXTENSION,
+    SyncedBackend,
+    orphan_guard,
+    to_rollout,
+    vllm_lora_rank,
+)
 from verl_kit.rollout.types import Prompts, Rollout, SamplingParams
-from verl_kit.rollout.weight_sync import write_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +129,8 @@ class VLLMColocated(SyncedBackend):
         # seeded rollout of a realistic size (every sample is seeded, see generate). Whole prompts per step instead.
         kwargs = (dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep) if gpu
                   else dict(enable_chunked_prefill=False))
-        if lora_rank is not None:  # vLLM's ranks: 1, 8, 16, 32, ... 512 (a larger slot serves a smaller adapter)
-            kwargs.update(enable_lora=True, max_loras=1,
-                          max_lora_rank=min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank))
+        if lora_rank is not None:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(lora_rank))
         if gpu and world_size > 1:
             # One engine per training process on that process's GPU (TRL's colocate layout). Not run in CI.
             if tensor_parallel_size > 1:
@@ -215,30 +217,12 @@ class VLLMColocated(SyncedBackend):
         return [torch.tensor([lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:])]) for s, o in
                 zip(seqs, outs)]
 
-    def load_weights(self, actor, version: int = 0) -> dict:
-        """The weight sync (SyncedBackend.load_weights), or with `lora_rank` the adapter alone: written into a private
-        folder of this process, loaded by the engine as a new LoRA request (its id: version + 1; the previous
-        adapter's folder is removed), then the probe. Collective (the gather)."""
-        if self.lora_rank is None:
-            return super().load_weights(actor, version)
+    def load_adapter(self, name: str, path: str, version: int, seconds: float) -> None:
+        """SyncedBackend.load_adapter: the next requests carry a LoRA request of the adapter (its id: version + 1)."""
         from vllm.lora.request import LoRARequest
 
-        t0 = time.time()
-        if self._adapter_root is None:
-            self._adapter_root = tempfile.mkdtemp(prefix="verl_kit-adapters-")  # 0700, this process's
-        path = os.path.join(self._adapter_root, f"v{version}")
-        shutil.rmtree(path, ignore_errors=True)
-        n_bytes = write_adapter(actor, path, self.sharding)
-        previous, self._lora = self._lora, LoRARequest(f"policy-v{version}", version + 1, path)
-        if previous is not None and previous.lora_path != path:
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
-        seconds = time.time() - t0
-        metrics = {"sync/seconds": seconds, "sync/bytes": n_bytes, "sync/buckets": 1,
-                   "sync/bytes_per_s": n_bytes / max(seconds, 1e-9), "sync/adapter_only": 1,
-                   "sync/version": version}
-        return self._probed(actor, metrics)
-
-    _adapter_root: str | None = None
+        self._lora = LoRARequest(name, version + 1, path)
+        self.llm.update_weight_version(str(version))
 
     def close(self) -> None:
         """Stop the engine's child processes now (they also stop when this process exits)."""
@@ -258,5 +242,3 @@ class VLLMColocated(SyncedBackend):
             if leaked := processes.release_leaked_ipc(named, self._engine_procs):
                 logger.debug("released %d shared-memory objects the stopped engine left: %s", len(leaked), leaked)
         self._close_transports(release=False)  # the engine, and its mappings of the slots, are gone
-        if self._adapter_root is not None:
-            shutil.rmtree(self._adapter_root, ignore_errors=True)

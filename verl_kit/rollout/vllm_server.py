@@ -31,7 +31,7 @@ import torch
 from verl_kit.errors import UserError
 from verl_kit.launch.processes import GuardedGroup
 from verl_kit.models.loading import resolve_model_path
-from verl_kit.rollout.synced import WEIGHT_TRANSFER_CONFIG, WORKER_EXTENSION, orphan_guard
+from verl_kit.rollout.synced import WEIGHT_TRANSFER_CONFIG, WORKER_EXTENSION, orphan_guard, vllm_lora_rank
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +201,9 @@ class RequireKey:
 
 def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype: str = "auto",
                   max_num_seqs: int = 256, max_model_len: int | None = None, ssl_certfile: str | None = None,
-                  ssl_keyfile: str | None = None, extra: list[str] = ()) -> list[str]:
-    """The vLLM OpenAI server command for weight-synced rollouts; its key comes from serve_env."""
+                  ssl_keyfile: str | None = None, lora_rank: int | None = None, extra: list[str] = ()) -> list[str]:
+    """The vLLM OpenAI server command for weight-synced rollouts; its key comes from serve_env. `lora_rank`: the
+    server also serves LoRA adapters up to that rank, loaded at run time (the adapter-only sync; serve_env)."""
     if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
         raise UserError("--api-key: pass the server's key as VLLM_API_KEY instead (a command line is readable by "
                         "every user of the machine)")
@@ -210,6 +211,8 @@ def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype:
             "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
             *(["--max-model-len", str(max_model_len)] if max_model_len else []),
             *(["--ssl-certfile", ssl_certfile, "--ssl-keyfile", ssl_keyfile] if ssl_certfile else []),
+            *(["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(vllm_lora_rank(lora_rank))]
+              if lora_rank else []),
             "--worker-extension-cls", WORKER_EXTENSION, "--weight-transfer-config", json.dumps(WEIGHT_TRANSFER_CONFIG),
             "--middleware", MIDDLEWARE, "--enable-scale-out",  # vLLM's token-in-token-out /inference/v1/generate
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
@@ -218,12 +221,15 @@ def serve_command(model_path: str, port: int, *, host: str = "127.0.0.1", dtype:
             *([] if torch.cuda.is_available() else ["--enforce-eager", "--no-enable-chunked-prefill"]), *extra]
 
 
-def serve_env(key: str, kv_cache_gib: int = 1) -> dict:
-    """The server's environment: its key (RequireKey and vLLM's own /v1 check read VLLM_API_KEY) and the dev
-    endpoints the weight sync uses (vLLM's weight-transfer routes, /reset_prefix_cache)."""
+def serve_env(key: str, kv_cache_gib: int = 1, lora: bool = False) -> dict:
+    """The server's environment: its key (RequireKey and vLLM's own /v1 check read VLLM_API_KEY), the dev
+    endpoints the weight sync uses (vLLM's weight-transfer routes, /reset_prefix_cache) and, with `lora`, vLLM's
+    /v1/load_lora_adapter (the adapter-only sync)."""
     if not key:
         raise ValueError("a kit vLLM server needs a key")
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_API_KEY=key)
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
     return env
@@ -257,7 +263,8 @@ class ServerProcess:
         self.log_path = log_path or os.path.join("/tmp", f"verl_kit_vllm_{self.port}.log")
         self.log = _private_file(self.log_path)  # prompts and errors: for this user only
         cmd = self.command(model_path, host, serve_kwargs)
-        self.group = GuardedGroup(cmd, env=serve_env(self.api_key, kv_cache_gib), log=self.log, guard=orphan_guard())
+        env = serve_env(self.api_key, kv_cache_gib, lora=bool(serve_kwargs.get("lora_rank")))
+        self.group = GuardedGroup(cmd, env=env, log=self.log, guard=orphan_guard())
         self.proc = self.group.proc
         self.deadline, self.startup_timeout_s = time.time() + startup_timeout_s, startup_timeout_s
         if wait:
@@ -358,6 +365,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--kv_cache_gib", type=int, default=1, help="KV cache on CPU (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--ssl_certfile", default=None, help="TLS certificate (PEM): the server speaks https")
     ap.add_argument("--ssl_keyfile", default=None, help="its private key (PEM)")
+    ap.add_argument("--lora_rank", type=int, default=None,
+                    help="also serve LoRA adapters up to this rank (a run's --vllm_lora_sync adapter)")
     ap.add_argument("--allow_insecure_http", action="store_true",
                     help="beyond loopback without TLS: the key crosses the network in clear (refused otherwise)")
     args, extra = ap.parse_known_args(argv)
@@ -365,7 +374,7 @@ def main(argv: list[str]) -> None:
     path = resolve_model_path(args.model)
     cmd = serve_command(path, args.port, host=args.host, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, ssl_certfile=args.ssl_certfile,
-                        ssl_keyfile=args.ssl_keyfile, extra=extra)
+                        ssl_keyfile=args.ssl_keyfile, lora_rank=args.lora_rank, extra=extra)
     url = server_url(args.host, args.port, bool(args.ssl_certfile))
     check_port_free(args.host, args.port)  # before a fresh key replaces the key file of a server already there
     key, where = server_key("VLLM_API_KEY", args.port, "vllm-serve")
@@ -381,7 +390,7 @@ def main(argv: list[str]) -> None:
     print(f"\nThis server requires its key on every request. A run reaches it with {how}:\n"
           f"    {run}python recipes/ppo.py --rollout vllm-server --vllm_server_url {url}{ca}\n"
           "(from another host: the same key in VLLM_API_KEY and this host's address in the URL)\n", flush=True)
-    os.execve(cmd[0], cmd, serve_env(key, args.kv_cache_gib))
+    os.execve(cmd[0], cmd, serve_env(key, args.kv_cache_gib, lora=bool(args.lora_rank)))
 
 
 if __name__ == "__main__":

@@ -136,15 +136,16 @@ def sync_weights(model, engine, bucket_mb: float, timeout_s: float, shared: Shar
             "sync/bytes_per_s": n_bytes / max(seconds, 1e-9), "sync/version": version}
 
 
-def write_adapter(model, path: str, sharding=None) -> int:
+def write_adapter(model, path: str | None, sharding=None) -> int:
     """The LoRA adapter of `model` (a PeftModel, placed by `sharding`) as peft writes it, adapter_config.json and
-    adapter_model.safetensors, into the new folder `path`: what a vLLM engine with LoRA loads (the adapter-only
-    sync). Its tensors are gathered whole through `sharding` (collective under ZeRO-3 and FSDP2: every process calls
-    it). Returns the adapter's bytes."""
+    adapter_model.safetensors, into the new folder `path` (None: a process that only joins the gather): what a vLLM
+    engine with LoRA loads (the adapter-only sync). Its tensors are gathered whole through `sharding` (collective
+    under ZeRO-3 and FSDP2: every process calls it). Returns the adapter's bytes."""
     peft = lora.peft_model(model)
     named = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
     full_params = sharding.full_params if sharding is not None else _whole_params
     with full_params(model, [p for _, p in named]) as full:
         state = {n: full(p.data).detach().cpu().clone() for n, p in named}
-    peft.save_pretrained(path, state_dict=state)
+    if path is not None:
+        peft.save_pretrained(path, state_dict=state)
     return sum(t.numel() * t.element_size() for t in state.values())
