@@ -8,10 +8,12 @@ joined by a veth pair (two hosts as far as sockets can tell), then a real sync i
 1. The wire, alternating rounds: the sender (namespace A) gets one bucket of fp32 tensors to the receiver (namespace
    B) as tensors in B's memory. base64: safetensors bytes base64-encoded into a JSON body, POSTed, decoded there (what
    the kit did before, through vLLM's /collective_rpc). stream: the bucket written into the sender's served buffer,
-   its reference handed over, the receiver pulling it with the worker's own code (`transport.decode`).
+   its reference handed over, the receiver pulling it with the worker's own code (`transport.decode`). stream_tls:
+   the same over TLS (what the stream speaks to a server that does: the sender's own certificate, pinned).
 2. The sync: the kit's server (`python -m verl_kit.rollout.vllm_server serve`, the bench model) in namespace B on its
-   veth address with a key, the trainer's VLLMServer in namespace A, `--vllm_weight_sync_transport auto` (which
-   streams to a non-loopback server): sync/bytes_per_s of each sync, and the probe.
+   veth address with a key and TLS (a self-signed certificate, as a cluster job gives its servers), the trainer's
+   VLLMServer in namespace A, `--vllm_weight_sync_transport auto` (which streams to a non-loopback server, over TLS
+   to this one): sync/bytes_per_s of each sync, and the probe.
 
 Summary line: `sync_stream ratio=<stream GB/s / base64 GB/s> ...` with the server sync's GB/s. Needs root (ip netns);
 without it, says so and exits 0.
@@ -103,21 +105,24 @@ def sender(args) -> dict:
                             text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
         port = int(recv.stdout.readline().split()[1])
-        stream = transport.StreamedBuckets(transport.local_address_towards(IP_B))
-        seconds = {"base64": [], "stream": []}
-        for r in range(args.rounds + 1):  # round 0 warms both paths up
-            for kind in ("base64", "stream")[:: 1 if r % 2 == 0 else -1]:
+        address = transport.local_address_towards(IP_B)
+        streams = {"stream": transport.StreamedBuckets(address),
+                   "stream_tls": transport.StreamedBuckets(address, tls=True)}
+        seconds = {"base64": [], "stream": [], "stream_tls": []}
+        for r in range(args.rounds + 1):  # round 0 warms every path up
+            for kind in ("base64", "stream", "stream_tls")[:: 1 if r % 2 == 0 else -1]:
                 t0 = time.perf_counter()
                 if kind == "base64":
                     blob = base64.b64encode(save({k: v.contiguous() for k, v in tensors.items()})).decode("ascii")
                     requests.post(f"http://{IP_B}:{port}/bucket", json={"args": [blob]}, timeout=300).raise_for_status()
                 else:
-                    recv.stdin.write(stream.encode(0, tensors) + "\n")
+                    recv.stdin.write(streams[kind].encode(0, tensors) + "\n")
                     recv.stdin.flush()
                     assert recv.stdout.readline().strip() == "ok"
                 if r:
                     seconds[kind].append(time.perf_counter() - t0)
-        stream.close()
+        for stream in streams.values():
+            stream.close()
     finally:
         recv.stdin.close()
         recv.wait(timeout=60)
@@ -131,21 +136,23 @@ def server_sync(args, path: str) -> dict:
 
     from verl_kit.models import load_causal_lm, load_tokenizer
     from verl_kit.rollout import VLLMServer
-    from verl_kit.rollout.vllm_server import new_key
+    from verl_kit.rollout.vllm_server import new_key, self_signed_certificate
 
     key, port = new_key(), 8123
+    cert, cert_key = self_signed_certificate([IP_B], str(h.RESULTS / "sync_stream_tls"))
     env = {**os.environ, "VLLM_API_KEY": key, "VLLM_HOST_IP": IP_B, "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = ["ip", "netns", "exec", NS_B, sys.executable, "-m", "verl_kit.rollout.vllm_server", "serve", "--model",
-           path, "--host", IP_B, "--port", str(port), "--dtype", "float32", "--max-model-len", "512"]
+           path, "--host", IP_B, "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+           "--ssl_certfile", cert, "--ssl_keyfile", cert_key]
     log = open(h.RESULTS / "sync_stream_server.log", "w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         tok = load_tokenizer(path)
-        url = f"http://{IP_B}:{port}"
+        url = f"https://{IP_B}:{port}"
         deadline = time.time() + 600
         while True:
             try:
-                client = VLLMServer(url, tok, api_key=key, bucket_mb=args.bucket_mb, connect_timeout_s=5,
+                client = VLLMServer(url, tok, api_key=key, bucket_mb=args.bucket_mb, connect_timeout_s=5, ca_file=cert,
                                     probe_prompts=[tok("hello there")["input_ids"]], probe_threshold=1e-3)
                 break
             except Exception:
@@ -218,8 +225,9 @@ def main() -> None:
     server = out.get("server")
     print(h.summary_line("sync_stream", wire["stream"] / wire["base64"],
                          f"across two network namespaces (veth), {args.bucket_mb:g} MiB buckets: stream "
-                         f"{wire['stream']:.2f} GB/s, base64 {wire['base64']:.3f} GB/s" + (
-                             f"; a sync into a kit vLLM server across them: {server['gb_per_s']:.2f} GB/s "
+                         f"{wire['stream']:.2f} GB/s ({wire['stream_tls']:.2f} over TLS), base64 "
+                         f"{wire['base64']:.3f} GB/s" + (
+                             f"; a sync into a kit vLLM server across them (TLS): {server['gb_per_s']:.2f} GB/s "
                              f"({server['bytes'] / 1e6:.0f} MB in {server['seconds']:.2f} s, probe "
                              f"{server['probe_max']:.1e})" if server else "")))
 

@@ -322,7 +322,8 @@ def test_grpo_with_its_rollout_server_placed_on_another_node(cluster, tiny_tied_
     """`run --rollout_servers 1`: the placement group puts the trainer (one process) on one node and the kit's vLLM
     server on the other; the job starts the server with its key and a certificate made for the job (TLS: the key
     never crosses the veth in clear), hands both to the recipe, and stops the server at the end.
-    Every step's weight sync crosses the veth (the server's URL is the other node's address: streamed) and the probe
+    Every step's weight sync crosses the veth (the server's URL is the other node's address: streamed, over TLS with
+    the trainer's own certificate, which the server's worker pins) and the probe
     holds (fp32 bound 1e-3; the probe also stops a run whose engine does not move with the trainer); GRPO learns the
     embedded task (grpo_tiny.yaml, 14 steps: the last 3 steps' mean reward at least twice the first 2 steps' and 0.1
     above, as the local HF run must); nothing is left on either node. On the tied tiny model (the output layer is the
@@ -346,6 +347,8 @@ def test_grpo_with_its_rollout_server_placed_on_another_node(cluster, tiny_tied_
     assert f"--vllm_server_url https://{server_ip}:{url} --vllm_server_ca_file .verl_kit/servers-ca.pem" in log, \
         log[-6000:]
     assert "[server 0] " in log and "--ssl_certfile" in log, log[-6000:]
+    # the weights cross the veth over TLS too: the stream the server's worker pulls them from speaks it
+    assert re.search(rf"weight sync: the engines pull buckets from https://{trainer_ip}:\d+ \(TLS", log), log[-6000:]
     rows = [r for r in metrics(out) if "reward/mean" in r]
     assert [r["step"] for r in rows] == list(range(1, 15))
     assert all(r["sync/bytes"] > 0 and r["rollout/logprob_max_abs_diff"] < 1e-3 for r in rows), rows

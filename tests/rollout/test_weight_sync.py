@@ -275,20 +275,28 @@ def test_slots_round_trip_reuse_and_refusals():
     assert not os.path.exists(orphan)
 
 
-def test_stream_round_trip_and_refusals():
+@pytest.mark.parametrize("tls", [False, True])
+def test_stream_round_trip_and_refusals(tls, tmp_path):
     """The streamed transport in one process: a bucket (with a tied alias) pulled through the worker's own decode
     arrives bit for bit; the next bucket replaces it, so the first reference is refused (404) from then on; a wrong
-    token is refused too, and a reference that is no http URL is refused before anything is fetched."""
+    token is refused too, and a reference that is no http(s) URL is refused before anything is fetched. Over TLS (to
+    a server that speaks it): the reference carries the stream's own certificate, which the worker pins; the stream
+    answers no plain HTTP, and a reference carrying another certificate (someone posing as the trainer) fails the
+    handshake; an https reference without a certificate, or an http one with one, is refused."""
+    import ssl
+
     import requests
 
     from verl_kit.rollout import transport
 
     first = {"model.embed_tokens.weight": torch.randn(7, 5), "model.norm.weight": torch.randn(5).to(torch.bfloat16)}
-    stream = transport.StreamedBuckets()
+    stream = transport.StreamedBuckets(tls=tls)
+    other = transport.StreamedBuckets(tls=True) if tls else None
     try:
         ref = stream.encode(0, first, {"lm_head.weight": "model.embed_tokens.weight"})
-        url, token = json.loads(ref[len(transport.PULL_PREFIX):])
-        assert url.startswith("http://127.0.0.1:") and len(token) == 32
+        url, token, *cert = json.loads(ref[len(transport.PULL_PREFIX):])
+        assert url.startswith(f"{'https' if tls else 'http'}://127.0.0.1:") and len(token) == 32
+        assert len(cert) == tls and (not tls or cert[0].startswith("-----BEGIN CERTIFICATE-----"))
         got, aliases = transport.decode(ref)
         assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
         assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in first.items())
@@ -297,12 +305,30 @@ def test_stream_round_trip_and_refusals():
         assert torch.equal(transport.decode(ref2)[0]["model.norm.weight"], second["model.norm.weight"])
         with pytest.raises(RuntimeError, match="404"):
             transport.decode(ref)  # the bucket it named is gone
-        assert requests.get(url + "/" + "0" * 32, timeout=10).status_code == 404
+        if tls:
+            (tmp_path / "stream.pem").write_text(cert[0])
+        verify = {"verify": str(tmp_path / "stream.pem")} if tls else {}
+        assert requests.get(url + "/" + "0" * 32, timeout=10, **verify).status_code == 404
         for bad in (["file:///etc/hostname", token], ["http://127.0.0.1", token], [url, 7]):
             with pytest.raises(PermissionError):
                 transport.decode(transport.PULL_PREFIX + json.dumps(bad))
+        if tls:
+            token2 = json.loads(ref2[len(transport.PULL_PREFIX):])[1]
+            plain = url.replace("https://", "http://")
+            with pytest.raises(requests.ConnectionError):  # no bucket in clear
+                requests.get(f"{plain}/{token2}", timeout=10)
+            with pytest.raises(PermissionError):
+                transport.decode(transport.PULL_PREFIX + json.dumps([url, token2]))  # https without a certificate
+            with pytest.raises(PermissionError):
+                transport.decode(transport.PULL_PREFIX + json.dumps([plain, token2, cert[0]]))
+            impostor = json.loads(other.encode(0, second)[len(transport.PULL_PREFIX):])[2]
+            with pytest.raises(ssl.SSLCertVerificationError):
+                transport.decode(transport.PULL_PREFIX + json.dumps([url, token2, impostor]))
+            assert torch.equal(transport.decode(ref2)[0]["model.norm.weight"], second["model.norm.weight"])
     finally:
         stream.close()
+        if other is not None:
+            other.close()
 
 
 FULL_SHM_DRIVER = r'''

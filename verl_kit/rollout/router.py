@@ -114,6 +114,10 @@ class VLLMServers(SyncedBackend):
     def same_host(self) -> bool:
         return all(self.servers[i].same_host for i in self.alive)
 
+    @property
+    def stream_tls(self) -> bool:
+        return any(s.stream_tls for s in self.servers)
+
     def _drop(self, server: int, why: str) -> None:
         with self._lock:
             if server not in self.alive:

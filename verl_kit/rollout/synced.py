@@ -83,6 +83,7 @@ class SyncedBackend:
     transport: str = "auto"
     sharding = None  # the run's train.Sharding, which gathers the actor's full tensors (None: they are whole)
     stream_address = "127.0.0.1"  # where the engines reach this process's StreamedBuckets
+    stream_tls = False  # whether the stream speaks TLS (it does to a server that does)
     # The rank of the actor's LoRA adapter when the engine serves it (vLLM's LoRA over the base weights): each sync
     # then sends the adapter alone (`load_adapter`); None: the weights are synced whole (a LoRA actor's merged).
     lora_rank: int | None = None
@@ -135,7 +136,9 @@ class SyncedBackend:
 
     def _stream(self) -> StreamedBuckets:
         if self._streamed is None:
-            self._streamed = StreamedBuckets(self.stream_address)
+            self._streamed = StreamedBuckets(self.stream_address, tls=self.stream_tls)
+            logger.info("weight sync: the engines pull buckets from %s%s", self._streamed.url,
+                        " (TLS, this process's own certificate)" if self.stream_tls else "")
         return self._streamed
 
     def _close_transports(self, release: bool = True) -> None:

@@ -12,7 +12,11 @@ travel one of two ways (`--vllm_weight_sync_transport`):
 - streamed (`StreamedBuckets`), to a worker on any host: the trainer serves the bucket's raw bytes over HTTP, from
   one buffer, on an ephemeral port of the address that faces the engine's host; the reference is `PULL_PREFIX` + the
   URL and a fresh token, the only path served; the worker pulls the body straight into its own buffer (`_pull`).
-  The token changes with every bucket, so a bucket is served only while its update is in flight.
+  The token changes with every bucket, so a bucket is served only while its update is in flight. To a server that
+  speaks TLS the stream does too: the trainer serves https with a certificate of its own, made for the stream's
+  address when the stream opens, and the reference carries that certificate, which the worker pins (it trusts no
+  other); the reference itself reaches the worker through the server's TLS API, so the weights never cross the
+  network in clear and nobody else can pose as the trainer.
 
 The measured cost of each is in bench/README.md. The trainer's side of the sync is rollout.weight_sync; the worker's,
 rollout.worker_extension. A killed trainer's slots are removed by its orphan guard (verl_kit.launch.processes, given
@@ -44,7 +48,7 @@ logger = logging.getLogger(__name__)
 _ALIASES = "verl_kit.aliases"  # safetensors header metadata: {alias: name of the tensor sent}
 _TOKEN = "verl_kit.token"  # safetensors header metadata of a same-host bucket: the token its reference carries
 SHM_PREFIX = "shm:"  # a same-host bucket's reference: "shm:" + json [path, token]
-PULL_PREFIX = "pull:"  # a streamed bucket's reference: "pull:" + json [url, token]
+PULL_PREFIX = "pull:"  # a streamed bucket's reference: "pull:" + json [url, token] (https: [url, token, cert PEM])
 PULL_TIMEOUT_S = 60.0  # the worker's socket timeout while it pulls a streamed bucket (connect, each read)
 _SHM_ROOT = "/dev/shm"
 SLOT_NAME = re.compile(r"(\d+)-[0-9a-f]{32}\.safetensors")  # <pid of the writer>-<random>
@@ -234,10 +238,11 @@ class StreamedBuckets:
     of `address` (the one facing the engines' hosts) that serves the bucket of the update in flight, raw safetensors
     bytes from one buffer reused from bucket to bucket, at the path of a fresh random token; anything else gets 404.
     `encode` replaces the bucket (and the token), so a bucket is readable only until the next one is written: the
-    trainer writes the next only after every engine's update call for this one returned. Closed with the backend
-    (and when collected)."""
+    trainer writes the next only after every engine's update call for this one returned. `tls`: https, with a fresh
+    self-signed certificate for `address` that each reference carries (see the module docstring). Closed with the
+    backend (and when collected)."""
 
-    def __init__(self, address: str = "127.0.0.1"):
+    def __init__(self, address: str = "127.0.0.1", tls: bool = False):
         self._buf = bytearray()
         self._served: tuple[str, int] | None = None  # (token, size) of the bucket in flight
         outer = self
@@ -260,7 +265,12 @@ class StreamedBuckets:
 
         self._server = ThreadingHTTPServer((address, 0), Handler)
         self._server.daemon_threads = True
-        self.url = f"http://{address}:{self._server.server_address[1]}"
+        self.cert_pem = None
+        if tls:  # the handshake runs in the request's thread (its first read): a client that stalls holds only that
+            context, self.cert_pem = _tls_context(address)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True,
+                                                      do_handshake_on_connect=False)
+        self.url = f"{'https' if tls else 'http'}://{address}:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, name="verl_kit-buckets", daemon=True).start()
         weakref.finalize(self, _stop_server, self._server)
 
@@ -273,11 +283,31 @@ class StreamedBuckets:
             self._buf = bytearray(size)
         _write(self._buf, head, offsets, tensors)
         self._served = token, size
-        return PULL_PREFIX + json.dumps([self.url, token])
+        return PULL_PREFIX + json.dumps([self.url, token] + ([self.cert_pem] if self.cert_pem else []))
 
     def close(self) -> None:
         self._served = None
         _stop_server(self._server)
+
+
+def _tls_context(address: str):
+    """A server-side TLS context with a fresh key and a self-signed certificate for `address`, and the certificate's
+    PEM (what the references carry). The key is written only into a private temporary folder, removed at once."""
+    import shutil
+    import ssl
+    import tempfile
+
+    from verl_kit.rollout.vllm_server import self_signed_certificate
+
+    folder = tempfile.mkdtemp(prefix="verl_kit-stream-")
+    try:
+        cert, key = self_signed_certificate([address], folder, days=7)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        with open(cert) as f:
+            return context, f.read()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _stop_server(server: ThreadingHTTPServer) -> None:
@@ -291,12 +321,19 @@ def _pull(blob: str):
     import http.client
 
     try:
-        url, token = json.loads(blob[len(PULL_PREFIX):])
+        url, token, *cert = json.loads(blob[len(PULL_PREFIX):])
         parsed = urlparse(url)
-        assert parsed.scheme == "http" and parsed.hostname and parsed.port and isinstance(token, str)
+        assert parsed.scheme in ("http", "https") and parsed.hostname and parsed.port and isinstance(token, str)
+        assert cert == [] if parsed.scheme == "http" else len(cert) == 1 and isinstance(cert[0], str)
     except (ValueError, TypeError, AssertionError):
         raise PermissionError(f"weight sync: refused bucket reference {blob[:200]!r}") from None
-    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=PULL_TIMEOUT_S)
+    if cert:  # the trainer's own certificate, pinned: no other is trusted
+        import ssl
+
+        context = ssl.create_default_context(cadata=cert[0])
+        conn = http.client.HTTPSConnection(parsed.hostname, parsed.port, timeout=PULL_TIMEOUT_S, context=context)
+    else:
+        conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=PULL_TIMEOUT_S)
     try:
         conn.request("GET", "/" + token)
         r = conn.getresponse()

@@ -116,6 +116,11 @@ class VLLMServer(SyncedBackend):
         from this process's stream."""
         return is_loopback_url(self.url)
 
+    @property
+    def stream_tls(self) -> bool:
+        """The stream speaks TLS to a server that does (transport.StreamedBuckets)."""
+        return self.url.startswith("https://")
+
     @functools.cached_property
     def stream_address(self) -> str:
         return local_address_towards(urlparse(self.url).hostname)
