@@ -272,13 +272,13 @@ def test_grpo_lora_vllm_sync_on_tied_model(tiny_tied_path, tmp_path, rollout):
     t0 = time.time()
     run(recipe_cmd("grpo.py", [*LORA, "--model_name_or_path", model, "--rollout", rollout, "--vllm_lora_sync",
                                "adapter", "--vllm_probe_threshold", "1e-3", "--learning_rate", "1e-2",
-                               "--output_dir", str(out), "--max_steps", "3", "--prompts_per_step", "8",
+                               "--output_dir", str(out), "--max_steps", "2", "--prompts_per_step", "8",
                                "--logging_steps", "1", "--dataset_test_split", "none"]),
         timeout=420, VLLM_HOST_IP="127.0.0.1")
     rows = [r for r in metrics(out) if "rollout/logprob_max_abs_diff" in r]
     print(f"grpo lora {rollout} {time.time() - t0:.1f}s: "
           f"{[(r['rollout/logprob_max_abs_diff'], r['rollout/probe_trainer_moved']) for r in rows]}")
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(r["rollout/logprob_max_abs_diff"] < 1e-3 for r in rows), rows
     assert all(r["rollout/probe_trainer_moved"] > 1e-2 for r in rows), rows  # the adapter moved the policy
     adapter = sum(p.numel() * 4 for n, p in lora_model(model, *LORA[1:]).named_parameters() if ".lora_" in n)
