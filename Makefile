@@ -159,6 +159,7 @@ cluster-down: install
 # ---- vLLM server for rollouts (--rollout vllm-server; docs/rollouts.md) --------------------------------------------
 #   make vllm-serve MODEL=tiny-llama                       OpenAI-compatible server on http://127.0.0.1:8000
 #   make vllm-serve MODEL=/path/to/model VLLM_PORT=8001 VLLM_ARGS='--dtype bfloat16 --gpu-memory-utilization 0.9'
+#   make vllm-serve MODEL=... VLLM_ARGS='--lora_rank 16'     also loads a --use_peft run's adapter at each sync
 # then, as it prints: VLLM_API_KEY=$(cat ~/.cache/verl_kit/vllm-serve/8000.key) \
 #                         python recipes/ppo.py --rollout vllm-server --vllm_server_url http://127.0.0.1:8000
 # Bound to 127.0.0.1, with the dev endpoints and worker extension the weight sync uses

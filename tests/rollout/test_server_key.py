@@ -90,6 +90,13 @@ def test_make_vllm_serve_makes_a_key_and_says_how_to_pass_it(tiny_model_path, tm
     assert key not in out
     assert f"VLLM_API_KEY=$(cat {path}) python recipes/ppo.py --rollout vllm-server --vllm_server_url " \
            "http://127.0.0.1:8123" in out, out
+    assert "--enable-lora" not in argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    # `VLLM_ARGS='--lora_rank 12'`: a server that also loads LoRA adapters at run time (--vllm_lora_sync adapter),
+    # in vLLM's next rank slot
+    vllm_server.main(["serve", "--model", tiny_model_path, "--port", "8123", "--lora_rank", "12"])
+    argv, env = started.pop()
+    assert argv[argv.index("--enable-lora"):][:5] == ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "16"]
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
 
     from verl_kit.errors import UserError
 
