@@ -228,6 +228,23 @@ def test_nonfinite_weights_are_not_published(tmp_path, tiny_model_path):
     assert sorted(os.listdir(cfg.output_dir)) == ["checkpoint-3", "final"]
 
 
+@pytest.mark.slow
+def test_zero3_partition_tails_are_not_the_weights(tmp_path, tiny_model_path):
+    """Under ZeRO-3 the partitions are of equal size, so the last ones run past a parameter's end (PPO's critic: a
+    1-element value-head bias, rank 1's partition of it all tail); DeepSpeed allocates that tail and never writes it.
+    `Sharding.local` holds the parameter's elements only (the ranks' pieces add up to each parameter), and NaN in
+    every tail leaves the non-finite check at 0. Before, the check read the tails: a healthy PPO run under ZeRO-3 x2
+    refused its final export once in a suite's run (test_ppo_lora_episodes_zero3_equals_one_process)."""
+    out = str(tmp_path / "record.pt")
+    run(launch_script("zero3.yaml", 2, str(REPO / "tests" / "train" / "zero3_padding_worker.py"),
+                      [tiny_model_path, out]), timeout=300)
+    ranks = torch.load(out)
+    assert sum(r["tails"] for r in ranks) > 0  # there were tails to poison
+    for name, (_, whole) in ranks[0]["held"].items():
+        assert sum(r["held"][name][0] for r in ranks) == whole, name
+    assert [r["nonfinite"] for r in ranks] == [0, 0]
+
+
 # ---- 3. a checkpoint belongs to its run ----------------------------------------------------------------------------
 
 def test_output_dir_belongs_to_its_run(tmp_path):

@@ -252,7 +252,15 @@ class DeepSpeed(Sharding):
             yield lambda t: t
 
     def local(self, p: torch.Tensor) -> torch.Tensor:
-        return getattr(p, "ds_tensor", p)  # ZeRO-3: this process's partition
+        """ZeRO-3: this process's partition, the parameter's elements only. Partitions are of equal size, so the last
+        ones run past the parameter's end: DeepSpeed allocates that tail (torch.empty) and never writes it, so it
+        holds whatever bits the memory held (a NaN too: the non-finite check read it and refused a healthy run's
+        export, once in a suite's run)."""
+        part = getattr(p, "ds_tensor", None)
+        if part is None:
+            return p
+        start = part.numel() * torch.distributed.get_rank(group=p.ds_process_group)
+        return part.narrow(0, 0, max(0, min(part.numel(), p.ds_numel - start)))
 
     def full_numel(self, p: torch.Tensor) -> int:
         return getattr(p, "ds_numel", p.numel())  # ZeRO-3: p itself is an empty placeholder
